@@ -1,0 +1,34 @@
+"""hipgraph_bridge: gfxgraph's implementation. Importing it patches nothing.
+
+Use :mod:`gfxgraph` for the public API (``gfxgraph.enable()``); import from
+here to use the classes without the patch.
+"""
+
+from __future__ import annotations
+
+from .capture_state import GraphState
+from .errors import ConfigError, GraphCaptureError, GraphRuntimeError, GraphsUnavailableError
+from .graph_manager import BridgedCUDAGraph, OriginalCUDAGraph
+from .health import health_check
+from .memory import graph_pool_bytes
+from .platform import Platform, probe
+from .validation import outputs_match, tolerance_for
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BridgedCUDAGraph",
+    "OriginalCUDAGraph",
+    "GraphState",
+    "ConfigError",
+    "GraphCaptureError",
+    "GraphRuntimeError",
+    "GraphsUnavailableError",
+    "Platform",
+    "probe",
+    "health_check",
+    "graph_pool_bytes",
+    "outputs_match",
+    "tolerance_for",
+    "__version__",
+]

@@ -1,0 +1,159 @@
+"""Capture bookkeeping shared by every capturing object.
+
+* :class:`GraphState`: the lifecycle of one graph object.
+* The registry of captures in progress, keyed by stream, so a nested
+  ``capture_begin`` is refused before it can invalidate the outer capture, and
+  recovery never synchronises the device under another live capture.
+* :func:`end_stream_capture`: the last-resort path that takes a stream out of
+  capture mode when PyTorch's own ``capture_end`` could not.
+* :func:`frozen_gc`: no garbage collection in the middle of a capture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import gc
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .log import logger
+
+__all__ = [
+    "GraphState",
+    "register_capture",
+    "unregister_capture",
+    "capture_on_stream",
+    "other_captures_active",
+    "stream_is_capturing",
+    "end_stream_capture",
+    "release_capture_pool",
+    "synchronize_quietly",
+    "frozen_gc",
+]
+
+
+class GraphState(enum.Enum):
+    EMPTY = "empty"  # nothing captured (new, or after reset())
+    CAPTURING = "capturing"  # between capture_begin() and capture_end()
+    READY = "ready"  # captured; replay() launches it
+    FAILED = "failed"  # capture failed and was discarded; replay() raises
+    SESSION = "session"  # owned by a high-level capture(); replay() routes there
+
+
+_lock = threading.Lock()
+_active: dict[int, Any] = {}  # cuda_stream pointer -> capturing object
+
+
+def register_capture(stream: torch.cuda.Stream, owner: object) -> None:
+    with _lock:
+        _active[stream.cuda_stream] = owner
+
+
+def unregister_capture(stream: torch.cuda.Stream | None, owner: object) -> None:
+    if stream is None:
+        return
+    with _lock:
+        if _active.get(stream.cuda_stream) is owner:
+            del _active[stream.cuda_stream]
+
+
+def capture_on_stream(stream: torch.cuda.Stream) -> object | None:
+    """The gfxgraph object capturing on ``stream``, if any."""
+    with _lock:
+        return _active.get(stream.cuda_stream)
+
+
+def other_captures_active(excluding: object) -> bool:
+    with _lock:
+        return any(o is not excluding for o in _active.values())
+
+
+def stream_is_capturing(stream: torch.cuda.Stream) -> bool:
+    """Whether ``stream`` is in capture mode (no context is created for it)."""
+    try:
+        with torch.cuda.stream(stream):
+            return bool(torch.cuda.is_current_stream_capturing())
+    except Exception:  # a stream whose device went away cannot be capturing
+        return False
+
+
+def end_stream_capture(stream: torch.cuda.Stream) -> bool:
+    """Take ``stream`` out of capture mode through the runtime layer, discarding the graph.
+
+    Used only when PyTorch's ``capture_end`` failed and left the stream capturing
+    (for instance when it was called on the wrong stream). Returns whether the
+    stream is out of capture mode afterwards.
+    """
+    if not stream_is_capturing(stream):
+        return True
+    try:
+        from .runtime import current_runtime
+
+        current_runtime().end_capture_and_discard(stream.cuda_stream)
+    except Exception as exc:
+        logger.error(
+            "gfxgraph: stream %#x is still capturing and could not be ended (%s); "
+            "install the runtime binding (pip install 'gfxgraph[cuda]') so gfxgraph can end it",
+            stream.cuda_stream,
+            exc,
+        )
+    return not stream_is_capturing(stream)
+
+
+def release_capture_pool(device: int, pool: tuple[int, int]) -> None:
+    """Undo the allocator's begin-allocate-to-pool of a capture that never ended.
+
+    PyTorch's ``capture_end`` skips this when ``cudaStreamEndCapture`` fails,
+    which would leave the pool referenced forever and a dead capture filter
+    consulted on every allocation.
+    """
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    release = getattr(torch._C, "_cuda_releasePool", None)
+    if end is None or release is None:
+        return
+    try:
+        end(device, pool)
+    except Exception as exc:
+        # The allocator was not recording to this pool (the capture failed before
+        # it began to, or after it stopped): its reference count was not taken.
+        logger.debug("gfxgraph: pool %s was not being recorded to: %s", pool, exc)
+        return
+    try:
+        release(device, pool)
+    except Exception as exc:
+        logger.debug("gfxgraph: releasing pool %s failed: %s", pool, exc)
+
+
+def synchronize_quietly(owner: object) -> None:
+    """Synchronise the device unless another capture is live (a sync would invalidate it)."""
+    if other_captures_active(owner):
+        logger.debug("gfxgraph: skipped device sync after failed capture: another capture is live")
+        return
+    try:
+        torch.cuda.synchronize()
+    except Exception as exc:
+        logger.log(logging.WARNING, "gfxgraph: device sync after failed capture raised: %s", exc)
+
+
+@contextlib.contextmanager
+def frozen_gc() -> Iterator[None]:
+    """Keep the garbage collector from running during a capture.
+
+    A collection in the middle of a capture walks every Python object (slow
+    with a large model) and can run finalisers that touch CUDA; existing
+    objects are moved to the permanent generation so later collections skip them.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        if was_enabled:
+            gc.enable()

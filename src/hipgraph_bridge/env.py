@@ -1,0 +1,134 @@
+"""Environment variables gfxgraph reads, parsed in one place.
+
+Every parser names the variable and the accepted values when it rejects one:
+``GFXGRAPH`` and ``HGB_LOG_LEVEL`` are read at import, so a bad value there is
+a logged warning (an import must not fail over a typo); ``GFXGRAPH_VRAM_CAP``
+and ``GFXGRAPH_LIB`` are read when they are used, and a bad value there is a
+:class:`ConfigError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Literal
+
+__all__ = [
+    "ConfigError",
+    "EnableMode",
+    "read_enable_mode",
+    "read_log_level",
+    "read_vram_cap",
+    "check_vram_cap",
+    "read_runtime_lib",
+    "DEFAULT_VRAM_CAP",
+]
+
+EnableMode = Literal["off", "on", "debug", "validate"]
+
+DEFAULT_VRAM_CAP = 0.90
+
+_ENABLE_VALUES: dict[str, EnableMode] = {
+    "": "off",
+    "0": "off",
+    "1": "on",
+    "debug": "debug",
+    "validate": "validate",
+}
+
+_LOG_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warn": logging.WARNING,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
+
+_log = logging.getLogger("gfxgraph")
+
+
+class ConfigError(ValueError):
+    """An environment variable or option holds a value gfxgraph does not accept."""
+
+
+def read_enable_mode(environ: Mapping[str, str] | None = None) -> EnableMode:
+    """Parse ``GFXGRAPH``: ``1``, ``debug``, ``validate`` or ``0`` (unset = ``0``).
+
+    Any other value logs a warning naming the accepted ones and leaves gfxgraph off.
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get("GFXGRAPH", "")
+    value = raw.strip().lower()
+    mode = _ENABLE_VALUES.get(value)
+    if mode is None:
+        _log.warning(
+            "GFXGRAPH=%r is not understood; accepted values are 1, debug, validate, 0. "
+            "gfxgraph stays disabled.",
+            raw,
+        )
+        return "off"
+    return mode
+
+
+def read_log_level(environ: Mapping[str, str] | None = None) -> int | None:
+    """Parse ``HGB_LOG_LEVEL`` (debug, info, warn, error); None when unset or bad."""
+    env = os.environ if environ is None else environ
+    raw = env.get("HGB_LOG_LEVEL")
+    if raw is None or not raw.strip():
+        return None
+    level = _LOG_LEVELS.get(raw.strip().lower())
+    if level is None:
+        _log.warning(
+            "HGB_LOG_LEVEL=%r is not understood; accepted values are debug, info, warn, error. "
+            "The 'gfxgraph' logger keeps its level.",
+            raw,
+        )
+    return level
+
+
+def read_vram_cap(environ: Mapping[str, str] | None = None) -> float:
+    """Parse ``GFXGRAPH_VRAM_CAP``: a fraction in (0.0, 1.0], default 0.90.
+
+    Raises:
+        ConfigError: the value is not a number in that range.
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get("GFXGRAPH_VRAM_CAP")
+    if raw is None or not raw.strip():
+        return DEFAULT_VRAM_CAP
+    try:
+        cap = float(raw)
+    except ValueError:
+        cap = float("nan")
+    if not (0.0 < cap <= 1.0):
+        raise ConfigError(
+            f"GFXGRAPH_VRAM_CAP={raw!r}: expected a fraction of device memory in (0.0, 1.0], "
+            f"e.g. 0.9 (the default is {DEFAULT_VRAM_CAP})"
+        )
+    return cap
+
+
+def check_vram_cap(cap: float, *, name: str = "vram_cap") -> float:
+    """Validate a VRAM cap given as an option rather than through the environment."""
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not (0.0 < cap <= 1.0):
+        raise ConfigError(f"{name}: expected a fraction of device memory in (0.0, 1.0], got {cap!r}")
+    return float(cap)
+
+
+def read_runtime_lib(environ: Mapping[str, str] | None = None) -> str | None:
+    """Parse ``GFXGRAPH_LIB``: an explicit runtime library path for Tier 2.
+
+    Raises:
+        ConfigError: the path is set but is not a regular file.
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get("GFXGRAPH_LIB")
+    if raw is None or not raw.strip():
+        return None
+    if not os.path.isfile(raw):
+        raise ConfigError(
+            f"GFXGRAPH_LIB={raw!r}: expected the path of a regular file (a CUDA runtime "
+            "libcudart.so* or HIP runtime libamdhip64.so*); it does not exist or is not a file"
+        )
+    return raw

@@ -1,0 +1,170 @@
+"""Process-wide counters: captures, replays, fallbacks, validation.
+
+Replays are the hot path, so each thread records into its own recorder with no
+lock (one thread writes it; :func:`snapshot` only reads it). Rare events
+(captures, fallbacks, validation results) take a lock. :func:`reset` starts a
+new generation; a thread notices on its next replay and starts a new recorder,
+so no count is lost or double-counted across a reset.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from .log import forget_logged, log_once
+
+__all__ = [
+    "record_replay_ns",
+    "record_capture",
+    "record_capture_failure",
+    "record_fallback",
+    "record_validation",
+    "set_enabled_at",
+    "snapshot",
+    "reset",
+]
+
+_RING = 4096  # replay latencies kept per thread for percentiles (power of two)
+_MASK = _RING - 1
+
+
+class _ReplayRecorder:
+    __slots__ = ("count", "total_ns", "ring", "gen")
+
+    def __init__(self, gen: object) -> None:
+        self.count = 0
+        self.total_ns = 0
+        self.ring = [0] * _RING
+        self.gen = gen
+
+
+class _Registry:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.gen = object()
+        self.recorders: list[_ReplayRecorder] = []
+        self.enabled_at: float | None = None
+        self.clear_events()
+
+    def clear_events(self) -> None:
+        self.capture_count = 0
+        self.capture_failures = 0
+        self.capture_seconds = 0.0
+        self.fallback_reasons: dict[str, int] = {}
+        self.validation_checks = 0
+        self.validation_failures = 0
+
+
+_reg = _Registry()
+_local = threading.local()
+
+
+def _new_recorder() -> _ReplayRecorder:
+    with _reg.lock:
+        rec = _ReplayRecorder(_reg.gen)
+        _reg.recorders.append(rec)
+    _local.rec = rec
+    return rec
+
+
+def record_replay_ns(ns: int) -> None:
+    """Record one replay's host time. Hot path: no lock, no allocation."""
+    try:
+        rec = _local.rec
+    except AttributeError:
+        rec = _new_recorder()
+    if rec.gen is not _reg.gen:
+        rec = _new_recorder()
+    c = rec.count
+    rec.ring[c & _MASK] = ns
+    rec.count = c + 1
+    rec.total_ns += ns
+
+
+def record_capture(seconds: float) -> None:
+    with _reg.lock:
+        _reg.capture_count += 1
+        _reg.capture_seconds += seconds
+
+
+def record_capture_failure() -> None:
+    with _reg.lock:
+        _reg.capture_failures += 1
+
+
+def record_fallback(reason: str, detail: str = "", *, level: int = logging.WARNING) -> None:
+    """Count one eager fallback under ``reason``; log it once per (reason, detail)."""
+    with _reg.lock:
+        _reg.fallback_reasons[reason] = _reg.fallback_reasons.get(reason, 0) + 1
+    log_once(
+        ("fallback", reason, detail),
+        level,
+        "gfxgraph: running eagerly (reason: %s)%s",
+        reason,
+        f": {detail}" if detail else "",
+    )
+
+
+def record_validation(ok: bool) -> None:
+    with _reg.lock:
+        _reg.validation_checks += 1
+        if not ok:
+            _reg.validation_failures += 1
+
+
+def set_enabled_at(ts: float | None) -> None:
+    with _reg.lock:
+        _reg.enabled_at = ts
+
+
+def _percentile(sorted_vals: list[int], q: float) -> float:
+    # nearest-rank on the sorted window; returns microseconds
+    idx = min(len(sorted_vals) - 1, max(0, int(round(q * (len(sorted_vals) - 1)))))
+    return sorted_vals[idx] / 1000.0
+
+
+def snapshot() -> dict[str, Any]:
+    """A consistent copy of every counter (see ``gfxgraph.stats`` for the keys)."""
+    with _reg.lock:
+        recs = list(_reg.recorders)
+        out: dict[str, Any] = {
+            "enabled_at": _reg.enabled_at,
+            "capture_count": _reg.capture_count,
+            "capture_failures": _reg.capture_failures,
+            "capture_seconds": _reg.capture_seconds,
+            "fallback_count": sum(_reg.fallback_reasons.values()),
+            "fallback_reasons": dict(_reg.fallback_reasons),
+            "validation_checks": _reg.validation_checks,
+            "validation_failures": _reg.validation_failures,
+        }
+    count = 0
+    total_ns = 0
+    window: list[int] = []
+    for rec in recs:
+        c = rec.count  # read once: the owner may be writing
+        count += c
+        total_ns += rec.total_ns
+        window.extend(rec.ring[: min(c, _RING)])
+    window.sort()
+    out["replay_count"] = count
+    out["avg_replay_us"] = (total_ns / count / 1000.0) if count else 0.0
+    if window:
+        out["replay_us_p50"] = _percentile(window, 0.50)
+        out["replay_us_p90"] = _percentile(window, 0.90)
+        out["replay_us_p99"] = _percentile(window, 0.99)
+    else:
+        out["replay_us_p50"] = out["replay_us_p90"] = out["replay_us_p99"] = 0.0
+    out["snapshot_time"] = time.time()
+    return out
+
+
+def reset() -> None:
+    """Zero every counter; each fallback cause will be logged again."""
+    with _reg.lock:
+        _reg.gen = object()
+        _reg.recorders = []
+        _reg.clear_events()
+    forget_logged()
