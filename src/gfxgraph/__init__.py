@@ -50,7 +50,8 @@ def stats() -> dict[str, Any]:
     Keys: ``enabled``, ``enabled_at`` (epoch seconds or None), ``capture_count``,
     ``capture_failures``, ``capture_seconds``, ``replay_count``,
     ``avg_replay_us`` and ``replay_us_p50``/``p90``/``p99`` (host time per
-    replay call, over the last 4096 replays per thread), ``fallback_count`` and
+    replay call, sampled one replay in 16, over the last 4096 samples per
+    thread; ``replay_samples`` counts them), ``fallback_count`` and
     ``fallback_reasons`` (eager runs per cause), ``validation_checks``,
     ``validation_failures``, ``graph_pool_bytes`` (reserved by graph memory
     pools, from the allocator; 0 before CUDA is initialised).

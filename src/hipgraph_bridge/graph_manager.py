@@ -53,6 +53,7 @@ _BASE_IS_STUB = not (torch.version.cuda or getattr(torch.version, "hip", None))
 _base_replay = OriginalCUDAGraph.replay
 _now = time.perf_counter_ns
 _record_replay = _stats.record_replay_ns
+_SAMPLE_MASK = _stats.REPLAY_SAMPLE_EVERY - 1
 _READY = GraphState.READY
 _CAPTURE_MODES = ("global", "thread_local", "relaxed")
 
@@ -93,6 +94,7 @@ class BridgedCUDAGraph(OriginalCUDAGraph):  # type: ignore[misc,valid-type]
         self._capture_t0 = 0.0
         self._exc_at_begin: BaseException | None = None
         self._session: Any = None  # high-level capture session, when used
+        self._replays = 0  # read by stats.snapshot(); see stats.track_replays
 
     # ------------------------------------------------------------------ state
     @property
@@ -229,6 +231,7 @@ class BridgedCUDAGraph(OriginalCUDAGraph):  # type: ignore[misc,valid-type]
             return
         unregister_capture(stream, self)
         self._state = _READY
+        _stats.track_replays(self)
         _stats.record_capture(time.perf_counter() - self._capture_t0)
 
     def _discard(self, reason: str, *, capture_ended: bool) -> None:
@@ -279,13 +282,23 @@ class BridgedCUDAGraph(OriginalCUDAGraph):  # type: ignore[misc,valid-type]
         if self._state is not _READY or batch_size is not None or branch is not None \
                 or input_tensor is not None:
             return self._replay_slow(batch_size, branch, input_tensor)
-        t0 = _now()
+        n = self._replays + 1
+        self._replays = n
+        if n & _SAMPLE_MASK:
+            _base_replay(self)
+            return None
+        t0 = _now()  # one replay in REPLAY_SAMPLE_EVERY is timed for the percentiles
         _base_replay(self)
         _record_replay(_now() - t0)
         return None
 
     def _launch(self) -> None:
         """Replay without the state check; high-level sessions call it after their own checks."""
+        n = self._replays + 1
+        self._replays = n
+        if n & _SAMPLE_MASK:
+            _base_replay(self)
+            return
         t0 = _now()
         _base_replay(self)
         _record_replay(_now() - t0)
@@ -312,6 +325,7 @@ class BridgedCUDAGraph(OriginalCUDAGraph):  # type: ignore[misc,valid-type]
     def reset(self) -> None:
         """Delete the captured graph (and end an unfinished capture first)."""
         self._require_native("reset")
+        _stats.retire_replays(self)
         if self._state is GraphState.CAPTURING:
             self._discard("reset() during capture", capture_ended=False)
         else:
@@ -327,6 +341,8 @@ class BridgedCUDAGraph(OriginalCUDAGraph):  # type: ignore[misc,valid-type]
         try:
             if getattr(self, "_state", None) is GraphState.CAPTURING:
                 self._discard("graph released during capture", capture_ended=False)
+            if getattr(self, "_replays", 0):
+                _stats.retire_replays(self)
         except BaseException:
             pass
         base_del = getattr(OriginalCUDAGraph, "__del__", None)

@@ -1,0 +1,77 @@
+"""Shared pieces of the device benchmarks: environment record, figures with targets, output."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import platform
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def environment() -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda_runtime": torch.version.cuda,
+        "hip_runtime": getattr(torch.version, "hip", None),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    try:
+        from importlib.metadata import version
+
+        env["cuda_bindings"] = version("cuda-bindings")
+    except Exception:
+        env["cuda_bindings"] = None
+    if torch.cuda.is_available():
+        try:
+            from cuda.bindings import runtime as cudart
+
+            err, drv = cudart.cudaDriverGetVersion()
+            env["driver_api_version"] = drv
+        except Exception:
+            pass
+    return env
+
+
+def figure(name: str, value: float, target: str | None, passed: bool | None, unit: str = "",
+           note: str = "") -> dict[str, Any]:
+    """One reported number beside its target (target None: reported, no target)."""
+    return {"name": name, "value": value, "unit": unit, "target": target, "pass": passed, "note": note}
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--out", default="bench-out", help="folder for the JSON (default: bench-out)")
+    p.add_argument("--quick", action="store_true", help="fewer repeats (smoke run)")
+    return p
+
+
+def write(out_dir: str, name: str, figures: list[dict[str, Any]], extra: dict[str, Any]) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"benchmark": name, "environment": environment(), "figures": figures, **extra}
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(doc, indent=2, default=str))
+    print(table(name, figures))
+    print(f"wrote {path}")
+    return path
+
+
+def table(name: str, figures: list[dict[str, Any]]) -> str:
+    rows = [f"## {name}", "", "| figure | value | target | result |", "|---|---|---|---|"]
+    for f in figures:
+        v = f["value"]
+        val = f"{v:.4g} {f['unit']}".strip() if isinstance(v, (int, float)) else str(v)
+        res = "-" if f["pass"] is None else ("pass" if f["pass"] else "MISS")
+        rows.append(f"| {f['name']} | {val} | {f['target'] or '-'} | {res} |")
+    return "\n".join(rows)

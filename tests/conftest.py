@@ -1,0 +1,62 @@
+"""Shared test set-up: GPU tests carry the ``gpu`` marker and skip, with the reason, without a GPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SRC = REPO / "src"
+
+
+def _gpu_reason() -> str | None:
+    if not (torch.version.cuda or getattr(torch.version, "hip", None)):
+        return f"needs a CUDA/ROCm build of PyTorch (this is {torch.__version__})"
+    if not torch.cuda.is_available():
+        return "needs a visible GPU (torch.cuda.is_available() is False)"
+    return None
+
+
+GPU_SKIP_REASON = _gpu_reason()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if GPU_SKIP_REASON is None:
+        return
+    skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _clean_gfxgraph_state():
+    """Each test starts disabled with zeroed stats, and leaves it that way."""
+    import gfxgraph
+
+    gfxgraph.disable()
+    gfxgraph.reset_stats()
+    yield
+    gfxgraph.disable()
+    gfxgraph.reset_stats()
+
+
+def run_python(code: str, *, env: dict[str, str] | None = None, timeout: float = 120,
+               args: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter (abort-prone cases: a SIGABRT shows as a failure)."""
+    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+                "PYTHONUNBUFFERED": "1"}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *(args or [])],
+                          capture_output=True, text=True, env=full_env, timeout=timeout)
+
+
+@pytest.fixture
+def py():
+    return run_python

@@ -1,0 +1,153 @@
+"""enable()/disable(): idempotent, thread-safe, exact restore; GFXGRAPH at import."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.cuda.graphs
+
+import gfxgraph
+from gfxgraph import BridgedCUDAGraph
+from hipgraph_bridge import OriginalCUDAGraph
+
+
+def test_enable_swaps_and_disable_restores_exact_objects():
+    before = (torch.cuda.CUDAGraph, torch.cuda.graphs.CUDAGraph)
+    assert not gfxgraph.is_enabled()
+    gfxgraph.enable()
+    assert gfxgraph.is_enabled()
+    assert torch.cuda.CUDAGraph is BridgedCUDAGraph
+    assert torch.cuda.graphs.CUDAGraph is BridgedCUDAGraph
+    gfxgraph.disable()
+    assert (torch.cuda.CUDAGraph, torch.cuda.graphs.CUDAGraph) == before
+    assert torch.cuda.CUDAGraph is before[0] and torch.cuda.graphs.CUDAGraph is before[1]
+    assert not gfxgraph.is_enabled()
+
+
+def test_enable_and_disable_are_idempotent():
+    original = torch.cuda.CUDAGraph
+    gfxgraph.enable()
+    gfxgraph.enable()
+    assert torch.cuda.CUDAGraph is BridgedCUDAGraph
+    gfxgraph.disable()
+    assert torch.cuda.CUDAGraph is original
+    gfxgraph.disable()
+    assert torch.cuda.CUDAGraph is original
+
+
+def test_bridged_graph_is_a_cuda_graph_subclass():
+    assert issubclass(BridgedCUDAGraph, OriginalCUDAGraph)
+    assert OriginalCUDAGraph is torch.cuda.graphs.CUDAGraph  # captured before any patch
+    g = BridgedCUDAGraph()
+    assert isinstance(g, torch.cuda.CUDAGraph)
+    gfxgraph.enable()
+    assert isinstance(torch.cuda.CUDAGraph(), OriginalCUDAGraph)
+
+
+def test_enable_flags_are_validated_and_updated():
+    with pytest.raises(TypeError, match="bools"):
+        gfxgraph.enable(debug="yes")  # type: ignore[arg-type]
+    gfxgraph.enable(validate=True)
+    from hipgraph_bridge import settings
+
+    assert settings.current().validate
+    gfxgraph.enable()
+    assert not settings.current().validate
+    assert gfxgraph.stats()["enabled_at"] is not None
+    gfxgraph.disable()
+    assert gfxgraph.stats()["enabled_at"] is None
+
+
+def test_enable_disable_thread_safe():
+    original = torch.cuda.CUDAGraph
+    errors: list[BaseException] = []
+
+    def toggle(n: int) -> None:
+        try:
+            for i in range(200):
+                (gfxgraph.enable if (i + n) % 2 else gfxgraph.disable)()
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=toggle, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert torch.cuda.CUDAGraph in (original, BridgedCUDAGraph)
+    assert (torch.cuda.CUDAGraph is BridgedCUDAGraph) == gfxgraph.is_enabled()
+    gfxgraph.disable()
+    assert torch.cuda.CUDAGraph is original
+
+
+def test_disable_leaves_a_foreign_patch_alone(caplog):
+    gfxgraph.enable()
+
+    class Other:  # someone else patched after us
+        pass
+
+    torch.cuda.CUDAGraph = Other  # type: ignore[misc]
+    try:
+        gfxgraph.disable()
+        assert torch.cuda.CUDAGraph is Other
+        assert "replaced by someone else" in caplog.text
+    finally:
+        torch.cuda.CUDAGraph = OriginalCUDAGraph  # type: ignore[misc]
+
+
+def test_importing_hipgraph_bridge_patches_nothing(py):
+    r = py("""
+        import torch
+        before = torch.cuda.CUDAGraph
+        import hipgraph_bridge
+        assert torch.cuda.CUDAGraph is before
+        print("ok")
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "ok" in r.stdout
+
+
+@pytest.mark.parametrize("value,enabled,flag", [("1", True, None), ("debug", True, "debug"),
+                                                 ("validate", True, "validate"), ("0", False, None)])
+def test_gfxgraph_env_auto_enables_at_import(py, value, enabled, flag):
+    r = py("""
+        import gfxgraph, torch
+        from hipgraph_bridge import settings
+        s = settings.current()
+        print(gfxgraph.is_enabled(), torch.cuda.CUDAGraph.__name__, s.debug, s.validate)
+    """, env={"GFXGRAPH": value})
+    assert r.returncode == 0, r.stderr
+    is_on, name, debug, validate = r.stdout.split()
+    assert is_on == str(enabled)
+    assert name == ("BridgedCUDAGraph" if enabled else "CUDAGraph")
+    assert debug == str(flag == "debug") and validate == str(flag == "validate")
+
+
+def test_gfxgraph_env_bad_value_warns_and_stays_off(py):
+    r = py("""
+        import logging; logging.basicConfig()
+        import gfxgraph
+        print(gfxgraph.is_enabled())
+    """, env={"GFXGRAPH": "sure"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"
+    assert "GFXGRAPH='sure'" in r.stderr and "1, debug, validate, 0" in r.stderr
+
+
+def test_hgb_log_level_sets_logger_level(py):
+    r = py("""
+        import logging, gfxgraph
+        print(logging.getLogger("gfxgraph").level)
+    """, env={"HGB_LOG_LEVEL": "error"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(40)
+
+
+def test_library_adds_only_a_null_handler():
+    import logging
+
+    handlers = logging.getLogger("gfxgraph").handlers
+    assert all(isinstance(h, logging.NullHandler) or getattr(h, "_gfxgraph_cli", False) for h in handlers)

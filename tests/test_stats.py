@@ -1,0 +1,109 @@
+"""stats(): the seed's keys plus per-reason fallbacks and latency percentiles; thread-safe."""
+
+from __future__ import annotations
+
+import threading
+
+import gfxgraph
+from hipgraph_bridge import stats as core
+
+SEED_KEYS = {"enabled_at", "capture_count", "replay_count", "fallback_count", "validation_failures",
+             "avg_replay_us"}
+
+
+def test_keys_present():
+    snap = gfxgraph.stats()
+    assert SEED_KEYS <= snap.keys()
+    assert {"fallback_reasons", "replay_us_p50", "replay_us_p90", "replay_us_p99", "graph_pool_bytes",
+            "capture_seconds", "capture_failures", "validation_checks"} <= snap.keys()
+
+
+class _Counted:
+    def __init__(self) -> None:
+        self._replays = 0
+
+
+def test_replay_counts_from_tracked_objects_survive_release():
+    a, b = _Counted(), _Counted()
+    core.track_replays(a)
+    core.track_replays(b)
+    a._replays, b._replays = 5, 7
+    assert gfxgraph.stats()["replay_count"] == 12
+    core.retire_replays(a)  # released graphs keep counting in the totals
+    assert a._replays == 0
+    assert gfxgraph.stats()["replay_count"] == 12
+    gfxgraph.reset_stats()
+    assert gfxgraph.stats()["replay_count"] == 0 and b._replays == 0
+
+
+def test_replay_latency_samples_and_percentiles():
+    for us in range(1, 101):
+        core.record_replay_ns(us * 1000)
+    snap = gfxgraph.stats()
+    assert snap["replay_samples"] == 100
+    assert abs(snap["avg_replay_us"] - 50.5) < 1e-9
+    assert snap["replay_us_p50"] in (50.0, 51.0)
+    assert snap["replay_us_p90"] in (90.0, 91.0)
+    assert snap["replay_us_p99"] in (99.0, 100.0)
+
+
+def test_fallbacks_counted_per_reason_and_logged_once(caplog):
+    for _ in range(3):
+        core.record_fallback("vram_cap", "bucket 64")
+    core.record_fallback("capture_failed", "boom")
+    snap = gfxgraph.stats()
+    assert snap["fallback_count"] == 4
+    assert snap["fallback_reasons"] == {"vram_cap": 3, "capture_failed": 1}
+    assert caplog.text.count("reason: vram_cap") == 1
+    assert caplog.text.count("reason: capture_failed") == 1
+
+
+def test_reset_zeroes_everything_and_relogs(caplog):
+    core.record_replay_ns(5000)
+    core.record_capture(0.5)
+    core.record_validation(False)
+    core.record_fallback("x", "y")
+    gfxgraph.reset_stats()
+    snap = gfxgraph.stats()
+    assert snap["replay_count"] == 0 and snap["capture_count"] == 0
+    assert snap["validation_failures"] == 0 and snap["fallback_count"] == 0
+    core.record_fallback("x", "y")
+    assert caplog.text.count("reason: x") == 2
+    core.record_replay_ns(7000)  # a thread's recorder from before the reset is replaced
+    assert gfxgraph.stats()["replay_samples"] == 1
+
+
+def test_concurrent_recording_and_snapshots_are_exact():
+    n_threads, per_thread = 8, 20000
+    stop = threading.Event()
+    seen_counts: list[int] = []
+
+    def reader() -> None:
+        while not stop.is_set():
+            seen_counts.append(gfxgraph.stats()["replay_samples"])
+
+    def writer() -> None:
+        for _ in range(per_thread):
+            core.record_replay_ns(1000)
+        core.record_fallback("thread", "")
+
+    r = threading.Thread(target=reader)
+    r.start()
+    ws = [threading.Thread(target=writer) for _ in range(n_threads)]
+    for w in ws:
+        w.start()
+    for w in ws:
+        w.join()
+    stop.set()
+    r.join()
+    snap = gfxgraph.stats()
+    assert snap["replay_samples"] == n_threads * per_thread
+    assert snap["fallback_reasons"]["thread"] == n_threads
+    assert seen_counts == sorted(seen_counts)  # monotone while recording
+
+
+def test_validation_counters():
+    core.record_validation(True)
+    core.record_validation(False)
+    snap = gfxgraph.stats()
+    assert snap["validation_checks"] == 2 and snap["validation_failures"] == 1
