@@ -34,6 +34,32 @@ def _batch_us(g: object, n: int) -> float:
     return (t1 - t0) / n / 1000.0
 
 
+def _per_call_ns(fn: object, n: int = 20000) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter_ns()
+    for _ in range(n):
+        fn()  # type: ignore[operator]
+    t1 = time.perf_counter_ns()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n
+
+
+def breakdown(raw: object, bridged: object) -> dict[str, float]:
+    """Where the bridged replay's extra host time goes (ns per call, medians of 7)."""
+    import statistics
+
+    parts = {
+        "raw.replay()": raw.replay,  # type: ignore[attr-defined]
+        "bridged.replay()": bridged.replay,  # type: ignore[attr-defined]
+        "OriginalCUDAGraph.replay(bridged)": lambda: OriginalCUDAGraph.replay(bridged),
+        "bridged._state read": lambda: bridged._state,  # type: ignore[attr-defined]
+        "bridged._replays read": lambda: bridged._replays,  # type: ignore[attr-defined]
+        "time.perf_counter_ns()": time.perf_counter_ns,
+        "empty lambda": lambda: None,
+    }
+    return {k: statistics.median(_per_call_ns(f, 4000) for _ in range(7)) for k, f in parts.items()}
+
+
 def main() -> None:
     args = parser(__doc__).parse_args()
     rounds = 50 if args.quick else 400
@@ -55,6 +81,9 @@ def main() -> None:
     assert x.item() == float(2 * n + rounds * n * 2), x.item()
     r, b = median(raw_us), median(br_us)
     snap = gfxgraph.stats()
+    parts = breakdown(raw, bridged)
+    for k, v in parts.items():
+        print(f"  {k:40s} {v:8.1f} ns")
     figures = [
         figure("raw torch.cuda.CUDAGraph replay (host)", r, None, None, "us"),
         figure("BridgedCUDAGraph replay (host, stats on)", b, None, None, "us"),
@@ -66,6 +95,7 @@ def main() -> None:
         "raw_us_samples_quartiles": [sorted(raw_us)[len(raw_us) // 4], r, sorted(raw_us)[3 * len(raw_us) // 4]],
         "bridged_us_samples_quartiles": [sorted(br_us)[len(br_us) // 4], b, sorted(br_us)[3 * len(br_us) // 4]],
         "stats_replay_count": snap["replay_count"],
+        "breakdown_ns": parts,
     })
 
 

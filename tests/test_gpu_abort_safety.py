@@ -80,7 +80,9 @@ def nested():
     with torch.cuda.graph(g2, stream=s):
         with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=s):
             pass
-expect(GraphCaptureError, nested)
+# torch.cuda.graph's __enter__ synchronises before capture_begin, which the runtime
+# refuses under capture (a RuntimeError subclass); the outer capture is then discarded.
+expect(RuntimeError, nested)
 assert g2.state is GraphState.FAILED
 """,
     "oom_in_region": """
@@ -145,5 +147,4 @@ print("SURVIVED", snap["capture_failures"], snap["capture_count"])
     assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr[-4000:]}"
     assert "SURVIVED" in r.stdout
     failures = int(r.stdout.split("SURVIVED")[1].split()[0])
-    if case != "second_capture_begin":
-        assert failures >= 1, r.stdout
+    assert failures >= 1, r.stdout

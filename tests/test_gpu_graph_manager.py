@@ -208,7 +208,7 @@ def test_high_level_static_capture_matches_eager_and_outputs_survive():
             g.replay(input_tensor=torch.randn(16, 128, device="cuda").half())
         with pytest.raises(ValueError, match="device=cuda"):
             g.replay(input_tensor=torch.randn(16, 128))
-        with pytest.raises(TypeError, match="expected Tensor"):
+        with pytest.raises(TypeError, match="input_tensor: expected the structure"):
             g.replay(input_tensor=[1, 2])
 
 

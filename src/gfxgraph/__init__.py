@@ -18,7 +18,9 @@ from hipgraph_bridge import (
     GraphRuntimeError,
     GraphsUnavailableError,
     GraphState,
+    ShapeBucketPool,
     __version__,
+    default_buckets,
     health_check,
 )
 from hipgraph_bridge import stats as _stats
@@ -35,6 +37,8 @@ __all__ = [
     "reset_stats",
     "health_check",
     "BridgedCUDAGraph",
+    "ShapeBucketPool",
+    "default_buckets",
     "GraphState",
     "ConfigError",
     "GraphCaptureError",

@@ -12,6 +12,7 @@ from .graph_manager import BridgedCUDAGraph, OriginalCUDAGraph
 from .health import health_check
 from .memory import graph_pool_bytes
 from .platform import Platform, probe
+from .shape_bucketing import ShapeBucketPool, default_buckets, validate_buckets
 from .validation import outputs_match, tolerance_for
 
 __version__ = "0.1.0"
@@ -24,6 +25,9 @@ __all__ = [
     "GraphCaptureError",
     "GraphRuntimeError",
     "GraphsUnavailableError",
+    "ShapeBucketPool",
+    "default_buckets",
+    "validate_buckets",
     "Platform",
     "probe",
     "health_check",

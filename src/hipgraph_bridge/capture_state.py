@@ -16,6 +16,7 @@ import enum
 import gc
 import logging
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,31 +47,36 @@ class GraphState(enum.Enum):
 
 
 _lock = threading.Lock()
-_active: dict[int, Any] = {}  # cuda_stream pointer -> capturing object
+# cuda_stream pointer -> weak reference to the capturing object. Weak, so a graph
+# dropped mid-capture is finalised (and its __del__ ends the capture).
+_active: dict[int, weakref.ref[Any]] = {}
 
 
 def register_capture(stream: torch.cuda.Stream, owner: object) -> None:
     with _lock:
-        _active[stream.cuda_stream] = owner
+        _active[stream.cuda_stream] = weakref.ref(owner)
 
 
 def unregister_capture(stream: torch.cuda.Stream | None, owner: object) -> None:
     if stream is None:
         return
     with _lock:
-        if _active.get(stream.cuda_stream) is owner:
+        ref = _active.get(stream.cuda_stream)
+        if ref is not None and ref() in (owner, None):
             del _active[stream.cuda_stream]
 
 
 def capture_on_stream(stream: torch.cuda.Stream) -> object | None:
     """The gfxgraph object capturing on ``stream``, if any."""
     with _lock:
-        return _active.get(stream.cuda_stream)
+        ref = _active.get(stream.cuda_stream)
+    return None if ref is None else ref()
 
 
 def other_captures_active(excluding: object) -> bool:
     with _lock:
-        return any(o is not excluding for o in _active.values())
+        owners = [ref() for ref in _active.values()]
+    return any(o is not None and o is not excluding for o in owners)
 
 
 def stream_is_capturing(stream: torch.cuda.Stream) -> bool:

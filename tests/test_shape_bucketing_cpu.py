@@ -1,0 +1,207 @@
+"""ShapeBucketPool logic without a GPU: buckets, validation, padding/slicing, pytrees, bad input.
+
+Without a GPU the pool runs the very pipeline a replay uses (static buffers at the largest
+bucket, copy-in, padding, slicing back) with the model run eagerly, so these tests cover it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gfxgraph
+from conftest import GPU_SKIP_REASON
+from gfxgraph import BridgedCUDAGraph, ShapeBucketPool, default_buckets
+from hipgraph_bridge.shape_bucketing import validate_buckets
+
+cpu_only = pytest.mark.skipif(GPU_SKIP_REASON is None, reason="exercises the no-GPU pipeline")
+
+
+def test_default_buckets_fine_then_coarse():
+    b = default_buckets()
+    assert b[:5] == [1, 2, 4, 8, 16] and b[-1] == 256
+    steps = [y - x for x, y in zip(b, b[1:])]
+    assert steps == sorted(steps)  # never finer further up
+    assert default_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert default_buckets(1) == [1]
+    with pytest.raises(ValueError, match="max_batch_size: expected a positive int"):
+        default_buckets(0)
+
+
+def test_validate_buckets_sorts_and_dedups():
+    assert validate_buckets([8, 2, 2, 32, 1]) == [1, 2, 8, 32]
+    assert validate_buckets(range(1, 4)) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("bad,exc,msg", [
+    ([], ValueError, "at least one"), ([0, 4], ValueError, "positive ints, got 0"),
+    ([-1], ValueError, "positive ints"), ([2.5], ValueError, "positive ints, got 2.5"),
+    ([True], ValueError, "positive ints"), ("1,2", TypeError, "iterable of positive ints"),
+    (7, TypeError, "iterable of positive ints"),
+])
+def test_bad_bucket_lists(bad, exc, msg):
+    with pytest.raises(exc, match=msg):
+        ShapeBucketPool(lambda x: x, bad)
+
+
+def test_bucket_selection_smallest_at_least_batch():
+    pool = ShapeBucketPool(lambda x: x, [1, 4, 8, 32])
+    assert [pool.bucket_for(n) for n in (1, 2, 4, 5, 8, 9, 32)] == [1, 4, 4, 8, 8, 32, 32]
+    assert pool.bucket_for(33) is None
+    with pytest.raises(ValueError, match="batch_size: expected a positive int"):
+        pool.bucket_for(0)
+
+
+@pytest.mark.parametrize("kwargs,exc,msg", [
+    ({"model_fn": 3}, TypeError, "model_fn: expected a callable"),
+    ({"batch_dim": -1}, ValueError, "batch_dim"),
+    ({"oversize": "drop"}, ValueError, "oversize: expected 'eager' or 'error'"),
+    ({"warmup_iters": -2}, ValueError, "warmup_iters"),
+    ({"pad_value": "x"}, TypeError, "pad_value"),
+    ({"static_args": [1.5]}, TypeError, "static_args"),
+    ({"vram_cap": 2.0}, ValueError, "vram_cap"),
+    ({"capture_error_mode": "loose"}, ValueError, "capture_error_mode"),
+])
+def test_bad_options(kwargs, exc, msg):
+    args = {"model_fn": lambda x: x, "buckets": [1, 2], **kwargs}
+    with pytest.raises(exc, match=msg):
+        ShapeBucketPool(**args)
+
+
+def test_bad_vram_cap_env(monkeypatch):
+    monkeypatch.setenv("GFXGRAPH_VRAM_CAP", "90%")
+    with pytest.raises(ValueError, match="GFXGRAPH_VRAM_CAP"):
+        ShapeBucketPool(lambda x: x, [1])
+
+
+@cpu_only
+def test_padding_and_slicing_through_the_pipeline():
+    seen_shapes = []
+
+    def model(x):
+        seen_shapes.append(tuple(x.shape))
+        return x * 2, x.sum(dim=1)
+
+    pool = ShapeBucketPool(model, [4, 8], pad_value=-1)
+    x = torch.arange(15.0).reshape(5, 3)
+    y, s = pool(x)
+    assert (8, 3) in seen_shapes  # padded up to bucket 8
+    assert torch.equal(y, x * 2) and torch.equal(s, x.sum(dim=1))
+    assert y.shape == (5, 3) and s.shape == (5,)
+    buf = pool._buffers[0]
+    assert torch.equal(buf[5:8], torch.full((3, 3), -1.0))  # padding rows hold pad_value
+    y2, _ = pool(torch.ones(2, 3))
+    assert seen_shapes[-1] == (4, 3) and torch.equal(y2, torch.full((2, 3), 2.0))
+    assert gfxgraph.stats()["fallback_reasons"]["no_gpu"] == 2
+
+
+@cpu_only
+def test_every_size_matches_eager_with_pytrees_and_kwargs():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(6, 4)
+
+    def model(inputs, *, mask, scale):
+        h = lin(inputs["a"]) + inputs["b"][:, :4]
+        return {"h": h * mask * scale, "pooled": (h * mask).sum(0), "n": 3}
+
+    pool = ShapeBucketPool(model, [1, 2, 4, 8, 16])
+    for n in range(1, 17):
+        a, b, mask = torch.randn(n, 6), torch.randn(n, 5), torch.rand(n, 1)
+        got = pool({"a": a, "b": b}, mask=mask, scale=0.5)
+        want = model({"a": a, "b": b}, mask=mask, scale=0.5)
+        assert got.keys() == want.keys() and got["n"] == 3
+        torch.testing.assert_close(got["h"], want["h"])
+        # "pooled" has 4 columns, like bucket 4 has rows: the pool must not mistake it for a batch
+        torch.testing.assert_close(got["pooled"], want["pooled"])  # padding rows are zeros: no effect
+
+
+@cpu_only
+def test_batch_dim_and_static_args():
+    w = torch.randn(3, 4)
+
+    def model(x, weight):
+        return torch.einsum("tbi,ij->tbj", x, weight)
+
+    pool = ShapeBucketPool(model, [2, 4], batch_dim=1, static_args=[1])
+    x = torch.randn(7, 3, 3)  # (T, B, C) with the batch in dim 1
+    out = pool(x, w)
+    assert out.shape == (7, 3, 4)
+    torch.testing.assert_close(out, model(x, w))
+    with pytest.raises(ValueError, match="args\\[1\\]: expected dtype=torch.float32.*shape without the batch dim \\(3, 4\\)"):
+        pool(x, torch.randn(5, 4))
+
+
+@cpu_only
+def test_oversize_eager_or_error():
+    pool = ShapeBucketPool(lambda x: x + 1, [2, 4])
+    x = torch.zeros(9, 2)
+    assert torch.equal(pool(x), x + 1)
+    assert gfxgraph.stats()["fallback_reasons"]["oversize"] == 1
+    strict = ShapeBucketPool(lambda x: x + 1, [2, 4], oversize="error")
+    with pytest.raises(ValueError, match="batch size 9 is above the largest bucket 4"):
+        strict(x)
+
+
+@cpu_only
+def test_outputs_are_copies_by_default_and_views_on_request():
+    pool = ShapeBucketPool(lambda x: x * 1, [4])
+    a = pool(torch.ones(2, 2))
+    b = pool(torch.zeros(2, 2))
+    assert torch.equal(a, torch.ones(2, 2)) and torch.equal(b, torch.zeros(2, 2))
+
+
+@cpu_only
+@pytest.mark.parametrize("call,exc,msg", [
+    (lambda p: p(torch.zeros(0, 4)), ValueError, "empty batch: expected batch size >= 1"),
+    (lambda p: p(torch.zeros(3, 5)), ValueError, r"shape without the batch dim \(4,\)"),
+    (lambda p: p(torch.zeros(3, 4, dtype=torch.float64)), ValueError, "expected dtype=torch.float32"),
+    (lambda p: p(torch.zeros(3, 4, 1)), ValueError, "shape without the batch dim"),
+    (lambda p: p([1, 2, 3]), TypeError, "expected at least one tensor argument with a batch dimension"),
+    (lambda p: p(torch.tensor(1.0)), TypeError, "expected at least one tensor argument"),
+    (lambda p: p(torch.zeros(3, 4), torch.zeros(3, 4)), ValueError, "expected 1 positional argument"),
+    (lambda p: p(torch.zeros(3, 4), key=1), ValueError, "keyword arguments \\[\\] \\(as at the first call\\)"),
+])
+def test_bad_inputs_name_what_was_expected(call, exc, msg):
+    pool = ShapeBucketPool(lambda x, **kw: x * 2, [2, 4])
+    pool(torch.ones(3, 4))  # fixes the layout
+    with pytest.raises(exc, match=msg):
+        call(pool)
+
+
+@cpu_only
+def test_unhashable_constant_and_mismatched_batches():
+    pool = ShapeBucketPool(lambda x, y, opt: x + y, [4])
+    with pytest.raises(TypeError, match="must be hashable"):
+        pool(torch.ones(2, 2), torch.ones(2, 2), {1, 2})
+    with pytest.raises(ValueError, match="expected batch size 2 in dim 0 \\(as args\\[0\\]\\), got 3"):
+        pool(torch.ones(2, 2), torch.ones(3, 2), 1)
+
+
+@cpu_only
+def test_constants_are_part_of_the_key():
+    calls = []
+
+    def model(x, mode):
+        calls.append(mode)
+        return x * (2 if mode == "double" else 3)
+
+    pool = ShapeBucketPool(model, [4])
+    x = torch.ones(3, 1)
+    assert torch.equal(pool(x, "double"), x * 2)
+    assert torch.equal(pool(x, "triple"), x * 3)
+    assert len(pool._entries) == 2
+
+
+@cpu_only
+def test_seed_high_level_dynamic_shapes_path():
+    g = BridgedCUDAGraph()
+    model = lambda x: x.cumsum(dim=1)  # noqa: E731
+    with g.capture(dynamic_shapes=True, model_fn=model, buckets=[2, 4, 8]):
+        pass
+    for n in (1, 3, 8):
+        x = torch.randn(n, 5)
+        assert torch.equal(g.replay(input_tensor=x), model(x))
+    with pytest.raises(ValueError, match="disagrees"):
+        g.replay(input_tensor=torch.randn(3, 5), batch_size=4)
+    with pytest.raises(TypeError, match="needs model_fn"):
+        BridgedCUDAGraph().capture(dynamic_shapes=True)
