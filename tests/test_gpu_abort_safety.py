@@ -15,13 +15,18 @@ s = torch.cuda.Stream()
 x = torch.ones(1024, device="cuda")
 
 def fresh_capture_works():
+    r = torch.rand(8, device="cuda")  # the RNG left capture mode too
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, stream=s):
         y = x * 3 + 1
+        noise = torch.rand(8, device="cuda")
     x.fill_(2.0)
+    g.replay()
+    first = noise.clone()
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, torch.full_like(x, 7.0)), y
+    assert not torch.equal(first, noise)
     x.fill_(1.0)
     assert not torch.cuda.is_current_stream_capturing()
     return True

@@ -34,6 +34,7 @@ __all__ = [
     "end_stream_capture",
     "release_capture_pool",
     "synchronize_quietly",
+    "rearm_generators",
     "frozen_gc",
 ]
 
@@ -144,6 +145,37 @@ def synchronize_quietly(owner: object) -> None:
         torch.cuda.synchronize()
     except Exception as exc:
         logger.log(logging.WARNING, "gfxgraph: device sync after failed capture raised: %s", exc)
+
+
+def rearm_generators(owner: object, generators: tuple[torch.Generator, ...], graph_cls: type) -> None:
+    """Take RNG generators out of capture mode after a capture that never ended.
+
+    PyTorch's generators enter capture mode at ``capture_begin`` and leave it only
+    in a successful ``capture_end``; after a failed one every later random op
+    raises "Offset increment outside graph capture encountered unexpectedly".
+    A tiny capture that ends successfully, with the same generators registered
+    (the device's default one always is), runs the missing epilogue.
+    Skipped while another capture is live: its generator offsets would be reset.
+    """
+    if other_captures_active(owner):
+        logger.warning("gfxgraph: RNG generators not re-armed after a failed capture: another capture is "
+                       "live; random ops may fail until it ends")
+        return
+    try:
+        scratch = torch.zeros(1, device="cuda")
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        g = graph_cls()
+        for gen in generators:
+            g.register_generator_state(gen)
+        with torch.cuda.stream(stream):
+            g.capture_begin()
+            scratch.add_(1)
+            g.capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
+        g.reset()
+    except Exception as exc:
+        logger.warning("gfxgraph: could not re-arm RNG generators after a failed capture: %s", exc)
 
 
 @contextlib.contextmanager

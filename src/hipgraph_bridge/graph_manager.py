@@ -33,6 +33,7 @@ from .capture_state import (
     GraphState,
     capture_on_stream,
     end_stream_capture,
+    rearm_generators,
     register_capture,
     release_capture_pool,
     stream_is_capturing,
@@ -50,7 +51,22 @@ OriginalCUDAGraph: type = torch.cuda.graphs.CUDAGraph
 # A CPU-only build gives torch.cuda.CUDAGraph a stub base whose __init__ raises.
 _BASE_IS_STUB = not (torch.version.cuda or getattr(torch.version, "hip", None))
 
-_base_replay = OriginalCUDAGraph.replay
+def _pick_base_replay() -> Any:
+    """The installed replay, skipping PyTorch's Python wrapper when it only delegates.
+
+    The wrapper frame is about 150 ns of the hot path on a slow host; calling the
+    C++ method directly is the same operation. If the wrapper does more (newer
+    PyTorch checks input liveness there), it is kept.
+    """
+    py_replay = OriginalCUDAGraph.replay
+    cpp_replay = getattr(getattr(torch._C, "_CUDAGraph", None), "replay", None)
+    code = getattr(py_replay, "__code__", None)
+    if cpp_replay is not None and code is not None and set(code.co_names) <= {"super", "replay"}:
+        return cpp_replay
+    return py_replay
+
+
+_base_replay = _pick_base_replay()
 _now = time.perf_counter_ns
 _record_replay = _stats.record_replay_ns
 _SAMPLE_MASK = _stats.REPLAY_SAMPLE_EVERY - 1
@@ -95,6 +111,7 @@ class BridgedCUDAGraph(OriginalCUDAGraph):  # type: ignore[misc,valid-type]
         self._exc_at_begin: BaseException | None = None
         self._session: Any = None  # high-level capture session, when used
         self._replays = 0  # read by stats.snapshot(); see stats.track_replays
+        self._generators: tuple[Any, ...] = ()  # registered with register_generator_state
 
     # ------------------------------------------------------------------ state
     @property
@@ -257,6 +274,8 @@ class BridgedCUDAGraph(OriginalCUDAGraph):  # type: ignore[misc,valid-type]
                 super().reset()
             except BaseException as exc:
                 logger.debug("gfxgraph: reset after failed capture raised: %s", exc)
+            if not capture_ended:
+                rearm_generators(self, self._generators, OriginalCUDAGraph)
         finally:
             unregister_capture(stream, self)
             self._state = GraphState.FAILED
@@ -351,6 +370,12 @@ class BridgedCUDAGraph(OriginalCUDAGraph):  # type: ignore[misc,valid-type]
                 base_del(self)
             except BaseException:
                 pass
+
+    def register_generator_state(self, generator: Any) -> None:
+        """Register a generator so its random stream advances per replay (same as PyTorch's)."""
+        self._require_native("register_generator_state")
+        super().register_generator_state(generator)
+        self._generators = (*self._generators, generator)
 
     def pool(self) -> Any:
         """This graph's memory-pool handle (pass it to another capture to share memory)."""

@@ -23,7 +23,12 @@ Workflow of a call ``pool(*args, **kwargs)``:
    the default) so the next call cannot overwrite them.
 
 All graphs share one memory pool; :meth:`capture_all` captures largest first so
-smaller buckets reuse the largest one's memory. Model calls (capture, warm-up,
+smaller buckets reuse the largest one's memory. Each graph's output memory is
+handed back to that pool after capture (the pool keeps a non-owning view, see
+:mod:`.weak_outputs`), so 36 buckets cost about what the largest one alone does,
+not the sum of their outputs; the price is that any call may overwrite the
+static outputs of every bucket, which is why outputs are copied by default.
+Calls must therefore not overlap on different CUDA streams. Model calls (capture, warm-up,
 eager fallback) run under ``torch.no_grad()``: this is for inference; use
 ``torch.cuda.make_graphed_callables`` for training.
 
@@ -51,6 +56,7 @@ from .log import logger
 from .memory import exceeds_vram_cap, graph_pool_bytes
 from .platform import probe
 from .tree_utils import describe
+from .weak_outputs import release_outputs
 
 __all__ = ["ShapeBucketPool", "default_buckets", "validate_buckets", "BucketPoolSession"]
 
@@ -424,7 +430,7 @@ class ShapeBucketPool:
         stream = self._capture_stream()
         a, k = self._bucket_args(bucket, leaves)
         t0 = time.perf_counter()
-        before = graph_pool_bytes([self._pool()]) if self._pool_handle is not None else 0
+        reserved_before = torch.cuda.memory_reserved()
         g = BridgedCUDAGraph()
         for gen in self.generators:
             g.register_generator_state(gen)
@@ -455,8 +461,9 @@ class ShapeBucketPool:
         self.capture_seconds += time.perf_counter() - t0
         entry.graph = g
         self._record_output_layout(entry, out, key[1], leaves)
-        entry.outputs = pytree.tree_leaves(out)
-        growth = graph_pool_bytes([self._pool()]) - before
+        entry.outputs = release_outputs(pytree.tree_leaves(out))
+        del out
+        growth = torch.cuda.memory_reserved() - reserved_before
         self._largest_growth = max(self._largest_growth, growth)
         over, why = exceeds_vram_cap(0, self.vram_cap)
         if over:  # the estimate was short: undo this capture to keep the cap
@@ -556,7 +563,7 @@ class ShapeBucketPool:
     @property
     def failed_buckets(self) -> dict[int, str]:
         """Buckets that run eagerly, with the reason."""
-        return {b: e.failed for (b, _), e in self._entries.items() if e.failed is not None}
+        return {b: f"{e.reason}: {e.failed}" for (b, _), e in self._entries.items() if e.failed is not None}
 
     def bucket_for(self, batch_size: int) -> int | None:
         """The bucket a batch of ``batch_size`` rows runs in; None when above the largest."""

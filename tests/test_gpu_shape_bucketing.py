@@ -1,0 +1,171 @@
+"""ShapeBucketPool on a GPU: every size equals eager, failures stay local, memory is shared."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gfxgraph
+from gfxgraph import ShapeBucketPool
+
+pytestmark = pytest.mark.gpu
+
+
+def test_every_size_bitwise_equal_for_a_deterministic_model():
+    def model(x):
+        return torch.sin(x) * 2 + x.square()
+
+    pool = ShapeBucketPool(model, [1, 2, 4, 8, 16, 32, 64])
+    for n in range(1, 65):
+        x = torch.randn(n, 33, device="cuda")
+        assert torch.equal(pool(x), model(x)), n
+    assert pool.captured_buckets == [1, 2, 4, 8, 16, 32, 64]
+    assert gfxgraph.stats()["fallback_count"] == 0
+
+
+def test_mlp_all_sizes_up_to_256_match_eager():
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).cuda()
+    pool = ShapeBucketPool(mlp)  # default buckets up to 256
+    report = pool.capture_all(torch.randn(3, 64, device="cuda"))
+    assert report["captured"] == len(pool.buckets) and report["pool_bytes"] > 0
+    with torch.no_grad():
+        for n in range(1, 257):
+            x = torch.randn(n, 64, device="cuda")
+            torch.testing.assert_close(pool(x), mlp(x), rtol=1e-4, atol=1e-5)
+    from hipgraph_bridge import graph_pool_bytes
+
+    assert pool.pool_bytes() == graph_pool_bytes([pool.pool_handle]) > 0
+
+
+def test_multi_input_multi_output_kwargs():
+    torch.manual_seed(1)
+    w = torch.randn(16, 16, device="cuda")
+
+    def model(x, pos, *, bias, scale=1.0):
+        h = (x @ w + bias) * scale
+        return {"h": h, "pos2": pos * 2}, h.mean()
+
+    pool = ShapeBucketPool(model, [4, 8, 16], static_args=["bias"])
+    bias = torch.randn(16, device="cuda")
+    for n in (1, 3, 8, 13, 16):
+        x, pos = torch.randn(n, 16, device="cuda"), torch.arange(n, device="cuda")
+        (got, got_mean) = pool(x, pos, bias=bias, scale=0.5)
+        (want, _) = model(x, pos, bias=bias, scale=0.5)
+        torch.testing.assert_close(got["h"], want["h"])
+        assert torch.equal(got["pos2"], want["pos2"])
+        assert got_mean.dim() == 0  # a non-batched output is returned whole (it saw padding rows)
+
+
+def test_failing_bucket_runs_eagerly_and_the_rest_keep_working():
+    def model(x):
+        if x.shape[0] == 8:
+            x.sum().item()  # a host sync: capture of this bucket fails
+        return x * 3
+
+    pool = ShapeBucketPool(model, [4, 8, 16])
+    for n in (2, 6, 12, 7, 3):
+        x = torch.randn(n, 5, device="cuda")  # random ops work after the failed capture
+        assert torch.equal(pool(x), x * 3)
+    assert pool.captured_buckets == [4, 16]
+    assert list(pool.failed_buckets) == [8] and "capture" in pool.failed_buckets[8]
+    snap = gfxgraph.stats()
+    assert snap["fallback_reasons"]["capture_failed"] == 2  # sizes 6 and 7
+    assert not torch.cuda.is_current_stream_capturing()
+
+
+def test_outputs_survive_the_next_call_and_views_on_request():
+    pool = ShapeBucketPool(lambda x: x + 1, [8])
+    a = pool(torch.zeros(5, 2, device="cuda"))
+    b = pool(torch.ones(5, 2, device="cuda"))
+    assert torch.equal(a, torch.ones(5, 2, device="cuda")) and torch.equal(b, torch.full((5, 2), 2.0, device="cuda"))
+    fast = ShapeBucketPool(lambda x: x + 1, [8], copy_outputs=False)
+    a = fast(torch.zeros(5, 2, device="cuda"))
+    ptr = a.data_ptr()
+    b = fast(torch.ones(5, 2, device="cuda"))
+    assert b.data_ptr() == ptr  # documented: views of the static output, overwritten by the next call
+    assert torch.equal(a, b)
+
+
+def test_capture_all_is_largest_first_and_shares_one_pool():
+    seen = []
+    w = torch.randn(16, 16, device="cuda")
+
+    def model(x):
+        seen.append(x.shape[0])
+        return torch.relu(x @ w)
+
+    pool = ShapeBucketPool(model, [2, 8, 32], warmup_iters=1, progress=False)
+    pool.capture_all(torch.randn(2, 16, device="cuda"))
+    captured_order = [n for n in seen if n in (2, 8, 32)]
+    assert captured_order[:2] == [32, 32] and captured_order.index(8) < captured_order.index(2)
+    assert pool.pool_bytes() > 0
+    x = torch.randn(5, 16, device="cuda")
+    torch.testing.assert_close(pool(x), torch.relu(x @ w))
+
+
+def test_vram_cap_sends_buckets_to_eager():
+    pool = ShapeBucketPool(lambda x: x * 2, [4, 8], vram_cap=1e-6)
+    x = torch.randn(3, 4, device="cuda")
+    assert torch.equal(pool(x), x * 2)
+    assert pool.captured_buckets == [] and pool.failed_buckets[4].startswith("vram_cap")
+    assert gfxgraph.stats()["fallback_reasons"]["vram_cap"] == 1
+
+
+def test_random_ops_differ_per_call_like_eager():
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(7)
+
+    def model(x):
+        return x + torch.rand(x.shape, device=x.device) + torch.rand(x.shape, device=x.device, generator=gen)
+
+    pool = ShapeBucketPool(model, [4], generators=[gen])
+    x = torch.zeros(4, 8, device="cuda")
+    a, b = pool(x), pool(x)
+    assert not torch.equal(a, b)
+    assert ((a >= 0) & (a < 2)).all()
+
+
+def test_wrong_device_and_seed_path():
+    pool = ShapeBucketPool(lambda x: x, [4])
+    with pytest.raises(ValueError, match="expected a tensor on a CUDA device"):
+        pool(torch.ones(2, 2))
+    g = gfxgraph.BridgedCUDAGraph()
+    model = lambda x: x * 5  # noqa: E731
+    with g.capture(dynamic_shapes=True, model_fn=model, buckets=[2, 4, 8],
+                   example_input=torch.ones(2, 3, device="cuda")) as session:
+        pass
+    assert session.pool.captured_buckets == [2, 4, 8]
+    x = torch.randn(6, 3, device="cuda")
+    assert torch.equal(g.replay(input_tensor=x), x * 5)
+    # batch_size alone replays bucket(5) = 8 on what is in the static input (x's rows + padding)
+    out = g.replay(batch_size=5)
+    assert torch.equal(out, x[:5] * 5)
+
+
+def test_thread_local_capture_mode():
+    pool = ShapeBucketPool(lambda x: x.exp(), [4, 8], capture_error_mode="thread_local")
+    x = torch.randn(7, 3, device="cuda")
+    torch.testing.assert_close(pool(x), x.exp())
+
+
+def test_released_outputs_stay_correct_in_random_order_and_save_memory():
+    import random
+
+    torch.manual_seed(2)
+    mlp = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.ReLU(), torch.nn.Linear(512, 128)).cuda()
+    buckets = [8, 16, 32, 48, 64, 96, 128]
+    pool = ShapeBucketPool(mlp, buckets, progress=False)
+    pool.capture_all(torch.randn(4, 128, device="cuda"))
+    rng = random.Random(0)
+    with torch.no_grad():
+        held = []
+        for _ in range(60):
+            n = rng.randint(1, 128)
+            x = torch.randn(n, 128, device="cuda")
+            held.append((x, pool(x)))
+        for x, y in held:  # copies made right after each replay are unaffected by later ones
+            torch.testing.assert_close(y, mlp(x), rtol=1e-4, atol=1e-5)
+    alone = ShapeBucketPool(mlp, [128], progress=False)
+    alone.capture_all(torch.randn(4, 128, device="cuda"))
+    assert pool.pool_bytes() <= 1.5 * alone.pool_bytes(), (pool.pool_bytes(), alone.pool_bytes())
