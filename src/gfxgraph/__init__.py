@@ -13,6 +13,11 @@ from typing import Any
 
 from hipgraph_bridge import (
     BridgedCUDAGraph,
+    GraphCompositor,
+    LaunchPipeline,
+    SwapResult,
+    UpdatableGraph,
+    UpdateResult,
     ConfigError,
     GraphCaptureError,
     GraphRuntimeError,
@@ -39,6 +44,11 @@ __all__ = [
     "BridgedCUDAGraph",
     "ShapeBucketPool",
     "default_buckets",
+    "GraphCompositor",
+    "LaunchPipeline",
+    "UpdatableGraph",
+    "SwapResult",
+    "UpdateResult",
     "GraphState",
     "ConfigError",
     "GraphCaptureError",

@@ -7,11 +7,15 @@ here to use the classes without the patch.
 from __future__ import annotations
 
 from .capture_state import GraphState
+from .compositor import CompositorState, GraphCompositor, StageCapture, SwapResult, validate_dag
 from .errors import ConfigError, GraphCaptureError, GraphRuntimeError, GraphsUnavailableError
 from .graph_manager import BridgedCUDAGraph, OriginalCUDAGraph
+from .exec_update import UpdatableGraph, UpdateResult, apply_update
 from .health import health_check
+from .launch_pipeline import LaunchPipeline
 from .memory import graph_pool_bytes
 from .platform import Platform, probe
+from .runtime import current_runtime, get_runtime
 from .shape_bucketing import ShapeBucketPool, default_buckets, validate_buckets
 from .validation import outputs_match, tolerance_for
 
@@ -27,6 +31,17 @@ __all__ = [
     "GraphsUnavailableError",
     "ShapeBucketPool",
     "default_buckets",
+    "GraphCompositor",
+    "CompositorState",
+    "SwapResult",
+    "StageCapture",
+    "validate_dag",
+    "LaunchPipeline",
+    "UpdatableGraph",
+    "UpdateResult",
+    "apply_update",
+    "current_runtime",
+    "get_runtime",
     "validate_buckets",
     "Platform",
     "probe",

@@ -1,0 +1,59 @@
+"""Tier 2's runtime layer (the seed's ``_C.py`` role): graph runtime calls for CUDA and HIP.
+
+Two backends behind one handle-level interface (:class:`Runtime`):
+
+* ``cuda-bindings`` (NVIDIA's binding; ``pip install 'gfxgraph[cuda]'``), and
+* ``ctypes`` over the runtime library PyTorch already loaded: ``libamdhip64``
+  on ROCm, and the very same code over ``libcudart`` on CUDA, so the HIP code
+  path is exercised on NVIDIA hardware.
+
+On top, Pythonic owners of handles: :class:`Graph` (builder),
+:class:`GraphExec` (executable), :class:`GraphNode`, :class:`Event`.
+
+    from hipgraph_bridge.runtime import current_runtime, Graph
+    rt = current_runtime()             # cached; raises GraphsUnavailableError if none
+    g = Graph.from_torch(torch_graph)  # captured with keep_graph=True
+    exe = g.instantiate()
+    exe.launch(torch.cuda.current_stream())
+
+Every failing call raises :class:`~hipgraph_bridge.errors.GraphRuntimeError`
+with the runtime's own error name and message.
+"""
+
+from __future__ import annotations
+
+from ._base import ExecUpdateOutcome, Runtime, RuntimeCaps
+from ._lifetime import deferred_count, drain_deferred
+from ._select import (
+    RUNTIME_KINDS,
+    RuntimeKind,
+    current_runtime,
+    get_runtime,
+    read_runtime_kind,
+    reset_runtime_cache,
+    resolve_runtime,
+    torch_build,
+)
+from .graph import Event, Graph, GraphExec, GraphNode, as_graph, stream_handle
+
+__all__ = [
+    "Runtime",
+    "RuntimeCaps",
+    "RuntimeKind",
+    "RUNTIME_KINDS",
+    "ExecUpdateOutcome",
+    "current_runtime",
+    "get_runtime",
+    "resolve_runtime",
+    "read_runtime_kind",
+    "reset_runtime_cache",
+    "torch_build",
+    "Graph",
+    "GraphExec",
+    "GraphNode",
+    "Event",
+    "as_graph",
+    "stream_handle",
+    "drain_deferred",
+    "deferred_count",
+]
