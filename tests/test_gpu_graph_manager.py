@@ -293,3 +293,29 @@ def test_failed_captures_do_not_leak_pool_memory():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(z, torch.full_like(x, 2.0))
+
+
+def test_shared_pool_after_a_failed_capture_is_usable_or_refused_clearly():
+    pool = torch.cuda.graph_pool_handle()
+    s = torch.cuda.Stream()
+    x = torch.ones(8, device="cuda")
+    g = BridgedCUDAGraph()
+    with pytest.raises(RuntimeError):
+        with torch.cuda.graph(g, pool=pool, stream=s):
+            (x * 2).sum().item()
+    g2 = BridgedCUDAGraph()
+    try:
+        with torch.cuda.graph(g2, pool=pool, stream=s):
+            z = x * 3
+    except GraphCaptureError as exc:
+        assert "fresh torch.cuda.graph_pool_handle()" in str(exc)
+    else:
+        g2.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(z, x * 3)
+    g3 = BridgedCUDAGraph()  # a fresh pool always works
+    with torch.cuda.graph(g3, pool=torch.cuda.graph_pool_handle(), stream=s):
+        w = x * 4
+    g3.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(w, x * 4)

@@ -198,6 +198,7 @@ class ShapeBucketPool:
         self._entries: dict[tuple[int, tuple[Hashable, ...]], _Bucket] = {}
         self._io_cache: dict[int, list[tuple[Any, Any, Any]]] = {}  # B -> (dst, src index, pad view)
         self._pool_handle: Any = None
+        self._retired_pools: list[Any] = []  # pools of earlier graphs, after a capture failure
         self._stream: torch.cuda.Stream | None = None
         self._largest_growth = 0
         self._out_flags: dict[tuple[Hashable, ...], tuple[bool, ...]] = {}
@@ -456,6 +457,10 @@ class ShapeBucketPool:
         except Exception as exc:
             entry.reason = "capture_failed"
             entry.failed = f"bucket {bucket}: {type(exc).__name__}: {exc}"
+            # PyTorch's allocator may keep recording to the pool of a capture that
+            # failed; later buckets capture into a fresh pool rather than trust it.
+            self._retired_pools.append(self._pool_handle)
+            self._pool_handle = None
             logger.warning("gfxgraph: bucket %d runs eagerly from now on: capture failed: %s", bucket, exc)
             return entry
         self.capture_seconds += time.perf_counter() - t0
@@ -573,9 +578,8 @@ class ShapeBucketPool:
 
     def pool_bytes(self) -> int:
         """Bytes reserved by this pool's graphs, as the caching allocator reports them."""
-        if self._pool_handle is None:
-            return 0
-        return graph_pool_bytes([self._pool_handle])
+        pools = [p for p in (self._pool_handle, *self._retired_pools) if p is not None]
+        return graph_pool_bytes(pools) if pools else 0
 
     @property
     def pool_handle(self) -> Any:
