@@ -83,3 +83,23 @@ def test_version():
     r = _cli("version")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("gfxgraph ") and "torch " in r.stdout
+
+
+def test_bench_lists_suites_and_skips_without_gpu():
+    r = _cli("bench", "--list")
+    assert r.returncode == 0, r.stderr
+    assert "replay_overhead" in r.stdout and "shape_bucketing" in r.stdout
+    bad = _cli("bench", "--suite", "nope")
+    assert bad.returncode == 2 and "unknown suite" in bad.stderr
+
+
+def test_bench_render_writes_tables(tmp_path: Path):
+    src = tmp_path / "in"
+    src.mkdir()
+    doc = {"benchmark": "demo", "environment": {"device": "X", "torch": "t", "date": "d"},
+           "figures": [{"name": "ratio", "value": 1.02, "unit": "", "target": "<= 1.05", "pass": True, "note": ""}]}
+    (src / "demo.json").write_text(json.dumps(doc))
+    r = _cli("bench", "--render", str(src), "--out", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr
+    table = (tmp_path / "out" / "demo.md").read_text()
+    assert "| ratio | 1.02 | <= 1.05 | pass |" in table

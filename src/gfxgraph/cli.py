@@ -53,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--suite", action="append", help="benchmark name (repeatable); default: all")
     bench.add_argument("--out", default="bench-out", help="output folder (default: bench-out)")
     bench.add_argument("--list", action="store_true", help="list the suites and exit")
+    bench.add_argument("--render", metavar="DIR", help="write tables and plots for the JSON already in DIR "
+                       "(e.g. benchmarks/results) into --out, without running anything")
     return p
 
 
@@ -121,9 +123,11 @@ def _cmd_version(_: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from gfxgraph.bench import run_bench
+    from gfxgraph.bench import render_results, run_bench
 
     _configure_logging(logging.INFO)
+    if args.render:
+        return render_results(args.render, args.out)
     return run_bench(suites=args.suite, out_dir=args.out, list_only=args.list)
 
 

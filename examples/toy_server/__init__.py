@@ -1,0 +1,1 @@
+"""A toy inference 'server' package, to show ``gfxgraph run -m examples.toy_server``."""
