@@ -13,6 +13,10 @@ from typing import Any
 
 from hipgraph_bridge import (
     BridgedCUDAGraph,
+    ConditionalGraph,
+    DeviceWhileLoop,
+    LoopCondition,
+    conditional_select,
     GraphCompositor,
     LaunchPipeline,
     SwapResult,
@@ -44,6 +48,10 @@ __all__ = [
     "BridgedCUDAGraph",
     "ShapeBucketPool",
     "default_buckets",
+    "ConditionalGraph",
+    "DeviceWhileLoop",
+    "LoopCondition",
+    "conditional_select",
     "GraphCompositor",
     "LaunchPipeline",
     "UpdatableGraph",

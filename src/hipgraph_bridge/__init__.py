@@ -7,9 +7,13 @@ here to use the classes without the patch.
 from __future__ import annotations
 
 from .capture_state import GraphState
+from . import ops  # registers torch.ops.gfxgraph.conditional_select
 from .compositor import CompositorState, GraphCompositor, StageCapture, SwapResult, validate_dag
 from .errors import ConfigError, GraphCaptureError, GraphRuntimeError, GraphsUnavailableError
 from .graph_manager import BridgedCUDAGraph, OriginalCUDAGraph
+from .cond_nodes import ConditionalSupport, conditional_support
+from .conditional import ConditionalGraph, ConditionalState
+from .device_loop import DeviceWhileLoop, LoopCondition
 from .exec_update import UpdatableGraph, UpdateResult, apply_update
 from .health import health_check
 from .launch_pipeline import LaunchPipeline
@@ -17,6 +21,7 @@ from .memory import graph_pool_bytes
 from .platform import Platform, probe
 from .runtime import current_runtime, get_runtime
 from .shape_bucketing import ShapeBucketPool, default_buckets, validate_buckets
+from .ops import conditional_select
 from .validation import outputs_match, tolerance_for
 
 __version__ = "0.1.0"
@@ -31,6 +36,13 @@ __all__ = [
     "GraphsUnavailableError",
     "ShapeBucketPool",
     "default_buckets",
+    "ConditionalGraph",
+    "ConditionalState",
+    "DeviceWhileLoop",
+    "LoopCondition",
+    "ConditionalSupport",
+    "conditional_support",
+    "conditional_select",
     "GraphCompositor",
     "CompositorState",
     "SwapResult",

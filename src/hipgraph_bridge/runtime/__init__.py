@@ -22,7 +22,7 @@ with the runtime's own error name and message.
 
 from __future__ import annotations
 
-from ._base import ExecUpdateOutcome, Runtime, RuntimeCaps
+from ._base import CaptureInfo, ExecUpdateOutcome, Runtime, RuntimeCaps
 from ._lifetime import deferred_count, drain_deferred
 from ._select import (
     RUNTIME_KINDS,
@@ -42,6 +42,7 @@ __all__ = [
     "RuntimeKind",
     "RUNTIME_KINDS",
     "ExecUpdateOutcome",
+    "CaptureInfo",
     "current_runtime",
     "get_runtime",
     "resolve_runtime",

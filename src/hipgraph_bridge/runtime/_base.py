@@ -21,8 +21,10 @@ from dataclasses import dataclass
 
 from ..errors import GraphRuntimeError
 
-__all__ = ["Runtime", "RuntimeCaps", "ExecUpdateOutcome", "SUCCESS", "ERROR_NOT_READY",
-           "ERROR_CAPTURE_INVALIDATED", "ERROR_EXEC_UPDATE_FAILURE", "DEVICE_LAUNCH_REASON"]
+__all__ = ["Runtime", "RuntimeCaps", "ExecUpdateOutcome", "CaptureInfo", "SUCCESS", "ERROR_NOT_READY",
+           "ERROR_CAPTURE_INVALIDATED", "ERROR_EXEC_UPDATE_FAILURE", "DEVICE_LAUNCH_REASON",
+           "NODE_KERNEL", "NODE_MEMCPY", "NODE_MEMSET", "NODE_EMPTY", "COND_IF", "COND_WHILE",
+           "COND_SWITCH", "CAPTURE_MODE_THREAD_LOCAL", "HIP_NO_CONDITIONAL"]
 
 # Status codes with the same value in cudaError_t and hipError_t.
 SUCCESS = 0
@@ -32,6 +34,19 @@ ERROR_EXEC_UPDATE_FAILURE = 910  # ...GraphExecUpdateFailure: update refused, no
 
 # cudaEventDisableTiming == hipEventDisableTiming == 0x2.
 EVENT_DISABLE_TIMING = 0x2
+
+# Graph node types with the same value in cudaGraphNodeType and hipGraphNodeType.
+NODE_KERNEL, NODE_MEMCPY, NODE_MEMSET, NODE_EMPTY = 0, 1, 2, 5
+# cudaGraphConditionalNodeType (CUDA only).
+COND_IF, COND_WHILE, COND_SWITCH = 0, 1, 2
+# cudaStreamCaptureModeThreadLocal == hipStreamCaptureModeThreadLocal.
+CAPTURE_MODE_THREAD_LOCAL = 1
+
+HIP_NO_CONDITIONAL = (
+    "HIP has no conditional graph nodes (IF/ELSE, SWITCH, WHILE) and no capture into an "
+    "existing graph; gfxgraph emulates them there (per-branch dispatch, a supergraph with node "
+    "enable/disable, a host-driven loop)"
+)
 
 DEVICE_LAUNCH_REASON = (
     "device-side graph launch is not built: it needs a kernel that calls cudaGraphLaunch "
@@ -76,6 +91,22 @@ class ExecUpdateOutcome:
     result: str
     error: str | None = None
     message: str | None = None
+
+
+@dataclass(frozen=True)
+class CaptureInfo:
+    """What the runtime says about a stream's capture (``StreamGetCaptureInfo``).
+
+    ``status``: 0 none, 1 active, 2 invalidated (same values on CUDA and HIP).
+    ``graph`` and ``dependencies`` (the nodes the next captured work will
+    depend on) are valid only while the capture is active; the graph still
+    belongs to the capture.
+    """
+
+    status: int
+    capture_id: int
+    graph: int
+    dependencies: tuple[int, ...]
 
 
 class Runtime:
@@ -230,6 +261,55 @@ class Runtime:
 
     def stream_wait_event(self, stream: int, event: int) -> None:
         raise NotImplementedError
+
+    # ------------------------------------- capture introspection (both APIs)
+    def stream_capture_info(self, stream: int) -> CaptureInfo:
+        """The capture state of ``stream``, with its graph and dependencies when active."""
+        raise NotImplementedError
+
+    def graph_nodes(self, graph: int) -> list[int]:
+        """Every node of ``graph`` (top level), in the runtime's order."""
+        raise NotImplementedError
+
+    def node_type(self, node: int) -> int:
+        """The node's type (``NODE_KERNEL``, ``NODE_MEMCPY``, ... ; same values on CUDA and HIP)."""
+        raise NotImplementedError
+
+    def exec_node_set_enabled(self, exec_: int, node: int, enabled: bool) -> None:
+        """Enable or disable a kernel, memcpy or memset ``node`` in the executable ``exec_``.
+
+        Affects later launches only; the runtimes support no other node types.
+        """
+        raise NotImplementedError
+
+    # ------------------------------------------ conditional nodes (CUDA only)
+    def conditional_nodes_reason(self) -> str | None:
+        """Why this binding cannot build conditional nodes (None when it can)."""
+        return f"{self.binding} does not bind conditional graph nodes"
+
+    def _no_conditional(self) -> NotImplementedError:
+        return NotImplementedError(self.conditional_nodes_reason() or "not implemented")
+
+    def conditional_handle_create(self, graph: int, *, default_value: int = 0,
+                                  assign_default: bool = True) -> int:
+        """A conditional handle for a node of ``graph``; with ``assign_default`` it is
+        reset to ``default_value`` at the start of every launch."""
+        raise self._no_conditional()
+
+    def graph_add_conditional(self, graph: int, deps: Sequence[int], handle: int, cond_type: int,
+                              size: int) -> tuple[int, list[int]]:
+        """Add a conditional node (``COND_IF``/``COND_WHILE``/``COND_SWITCH``) with ``size``
+        bodies after ``deps``; return the node and its body graphs (owned by the node)."""
+        raise self._no_conditional()
+
+    def stream_set_capture_dependencies(self, stream: int, deps: Sequence[int]) -> None:
+        """Make the next work captured on ``stream`` depend on exactly ``deps``."""
+        raise self._no_conditional()
+
+    def stream_begin_capture_to_graph(self, stream: int, graph: int,
+                                      mode: int = CAPTURE_MODE_THREAD_LOCAL) -> None:
+        """Begin capturing ``stream`` into the existing ``graph`` (a conditional body)."""
+        raise self._no_conditional()
 
     # ------------------------------------------------------ shared behaviour
     def destroy(self, kind: str, handle: int) -> None:

@@ -27,17 +27,21 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from ..env import ConfigError
+from ..errors import GraphRuntimeError
 from ..platform import GraphsUnavailableError
 from ._base import (
     ERROR_CAPTURE_INVALIDATED,
     ERROR_EXEC_UPDATE_FAILURE,
     ERROR_NOT_READY,
     EVENT_DISABLE_TIMING,
+    HIP_NO_CONDITIONAL,
+    CaptureInfo,
     ExecUpdateOutcome,
     Runtime,
 )
 
-__all__ = ["CtypesRuntime", "find_runtime_library", "bound_symbols", "Api", "LIBRARY_STEMS"]
+__all__ = ["CtypesRuntime", "find_runtime_library", "bound_symbols", "lazily_bound_symbols", "Api",
+           "LIBRARY_STEMS"]
 
 Api = Literal["cuda", "hip"]
 
@@ -72,6 +76,8 @@ _COMMON: dict[str, tuple[Any, tuple[Any, ...], bool]] = {
     "GraphLaunch": (_int, (_vp, _vp), True),
     "GraphUpload": (_int, (_vp, _vp), False),
     "GraphExecChildGraphNodeSetParams": (_int, (_vp, _vp, _vp), False),
+    "GraphNodeGetType": (_int, (_vp, _pint), False),
+    "GraphNodeSetEnabled": (_int, (_vp, _vp, ctypes.c_uint), False),
     "StreamIsCapturing": (_int, (_vp, _pint), True),
     "StreamEndCapture": (_int, (_vp, _pvp), True),
     "StreamWaitEvent": (_int, (_vp, _vp, ctypes.c_uint), True),
@@ -89,6 +95,26 @@ _EXEC_UPDATE: dict[str, tuple[Any, tuple[Any, ...], bool]] = {
     "hip": (_int, (_vp, _vp, _pvp, _pint), False),
 }
 
+# StreamGetCaptureInfo with the graph and dependencies: its name and arity differ by API and
+# version (HIP and CUDA 12.0-12.2: the 6-argument _v2; CUDA 12.3+: _v3 with an edge-data
+# out-pointer, 7 arguments; CUDA 13: the unsuffixed name with the _v3 signature, while CUDA 12's
+# unsuffixed name is the legacy 3-argument call). It is bound on first use, once the runtime
+# version is known, taking the first exported candidate; a candidate is never called with
+# fewer arguments than it may take.
+_CAPTURE_INFO_6 = (_int, (_vp, _pint, ctypes.POINTER(ctypes.c_ulonglong), _pvp, _pvp,
+                          ctypes.POINTER(ctypes.c_size_t)))
+_CAPTURE_INFO_7 = (_int, (_vp, _pint, ctypes.POINTER(ctypes.c_ulonglong), _pvp, _pvp, _pvp,
+                          ctypes.POINTER(ctypes.c_size_t)))
+
+
+def _capture_info_candidates(api: Api, runtime_version: int) -> list[tuple[str, tuple[Any, tuple[Any, ...]]]]:
+    if api == "hip":
+        return [("StreamGetCaptureInfo_v2", _CAPTURE_INFO_6)]
+    if runtime_version >= 13000:
+        return [("StreamGetCaptureInfo_v3", _CAPTURE_INFO_7), ("StreamGetCaptureInfo", _CAPTURE_INFO_7)]
+    return [("StreamGetCaptureInfo_v3", _CAPTURE_INFO_7), ("StreamGetCaptureInfo_v2", _CAPTURE_INFO_6)]
+
+
 _UPDATE_RESULTS = (
     "Success", "Error", "ErrorTopologyChanged", "ErrorNodeTypeChanged", "ErrorFunctionChanged",
     "ErrorParametersChanged", "ErrorNotSupported", "ErrorUnsupportedFunctionChange",
@@ -105,6 +131,12 @@ _SONAMES: dict[str, tuple[str, ...]] = {
 def bound_symbols(api: Api) -> list[str]:
     """Every symbol the ctypes backend binds for ``api`` (for the HIP symbol-table test)."""
     return sorted(api + s for s in [*_COMMON, "GraphExecUpdate"])
+
+
+def lazily_bound_symbols(api: Api) -> list[str]:
+    """Symbols bound on first use (their arity depends on the runtime version)."""
+    names = {name for v in (0, 13000) for name, _ in _capture_info_candidates(api, v)}
+    return sorted(api + name for name in names)
 
 
 def _signatures(api: Api) -> dict[str, tuple[Any, tuple[Any, ...], bool]]:
@@ -220,6 +252,7 @@ class CtypesRuntime(Runtime):
             )
         self._launch = self._fn["GraphLaunch"]
         self._record = self._fn["EventRecord"]
+        self._capture_info: tuple[Any, bool] | None = None  # (function, has edge-data out)
 
     @staticmethod
     def _bind(lib: Any, symbol: str, restype: Any, argtypes: tuple[Any, ...]) -> Any:
@@ -415,3 +448,77 @@ class CtypesRuntime(Runtime):
 
     def stream_wait_event(self, stream: int, event: int) -> None:
         self._call("StreamWaitEvent", stream, event, 0)
+
+    # ---------------------------------------------------- capture introspection
+    def _capture_info_fn(self) -> tuple[Any, bool]:
+        if self._capture_info is None:
+            api: Api = "hip" if self.prefix == "hip" else "cuda"
+            candidates = _capture_info_candidates(api, self.capabilities.runtime_version)
+            for suffix, (restype, argtypes) in candidates:
+                fn = self._bind(self._lib, self.prefix + suffix, restype, argtypes)
+                if fn is not None:
+                    self._fn[suffix] = fn
+                    self._capture_info = (fn, len(argtypes) == 7)
+                    break
+            else:
+                names = ", ".join(self.prefix + name for name, _ in candidates)
+                raise GraphsUnavailableError(f"{self.path} exports none of {names}; reading a capture's "
+                                             "graph (the supergraph strategy) needs one")
+        return self._capture_info
+
+    def stream_capture_info(self, stream: int) -> CaptureInfo:
+        fn, edge_out = self._capture_info_fn()
+        status = ctypes.c_int(0)
+        cid = ctypes.c_ulonglong(0)
+        graph = ctypes.c_void_p()
+        deps = ctypes.c_void_p()
+        count = ctypes.c_size_t(0)
+        if edge_out:
+            edges = ctypes.c_void_p()
+            code = fn(stream, ctypes.byref(status), ctypes.byref(cid), ctypes.byref(graph),
+                      ctypes.byref(deps), ctypes.byref(edges), ctypes.byref(count))
+        else:
+            code = fn(stream, ctypes.byref(status), ctypes.byref(cid), ctypes.byref(graph),
+                      ctypes.byref(deps), ctypes.byref(count))
+        if code:
+            self._check("StreamGetCaptureInfo", code)
+        if status.value != 1:
+            return CaptureInfo(int(status.value), 0, 0, ())
+        if not graph.value:
+            raise GraphRuntimeError(f"{self.prefix}StreamGetCaptureInfo", "graphNotReported", 0,
+                                    f"the capture is active but {self.path} returned no graph; its "
+                                    "StreamGetCaptureInfo does not have the expected signature")
+        n = int(count.value)
+        # The runtime owns the dependency array and may reuse it on the next stream call: copy now.
+        arr = ctypes.cast(deps, ctypes.POINTER(ctypes.c_void_p)) if deps.value else None
+        found = tuple(int(arr[i] or 0) for i in range(n)) if arr is not None else ()
+        return CaptureInfo(1, int(cid.value), int(graph.value or 0), found)
+
+    def graph_nodes(self, graph: int) -> list[int]:
+        count = ctypes.c_size_t(0)
+        self._call("GraphGetNodes", graph, None, ctypes.byref(count))
+        if count.value == 0:
+            return []
+        arr = (ctypes.c_void_p * count.value)()
+        self._call("GraphGetNodes", graph, arr, ctypes.byref(count))
+        return [int(arr[i] or 0) for i in range(int(count.value))]
+
+    def node_type(self, node: int) -> int:
+        self._need("GraphNodeGetType")
+        out = ctypes.c_int(0)
+        self._call("GraphNodeGetType", node, ctypes.byref(out))
+        return int(out.value)
+
+    def exec_node_set_enabled(self, exec_: int, node: int, enabled: bool) -> None:
+        self._need("GraphNodeSetEnabled")
+        self._call("GraphNodeSetEnabled", exec_, node, 1 if enabled else 0)
+
+    # -------------------------------------------------------- conditional nodes
+    def conditional_nodes_reason(self) -> str | None:
+        if self.prefix == "hip":
+            return HIP_NO_CONDITIONAL
+        # The CUDA twin could bind the C structs, but native conditionals also need the
+        # NVRTC-compiled value setter, which comes with cuda-bindings.
+        return ("the ctypes binding of libcudart does not build conditional nodes: they need the "
+                "NVRTC-compiled value-setter kernel, which gfxgraph loads through cuda-bindings "
+                "(pip install 'gfxgraph[cuda]'); use the cuda-bindings runtime")

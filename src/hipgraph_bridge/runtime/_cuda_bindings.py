@@ -13,10 +13,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._base import (
+    CAPTURE_MODE_THREAD_LOCAL,
     ERROR_CAPTURE_INVALIDATED,
     ERROR_EXEC_UPDATE_FAILURE,
     ERROR_NOT_READY,
     EVENT_DISABLE_TIMING,
+    CaptureInfo,
     ExecUpdateOutcome,
     Runtime,
 )
@@ -60,6 +62,9 @@ class CudaBindingsRuntime(Runtime):
         self._node_t = cudart.cudaGraphNode_t
         self._launch = cudart.cudaGraphLaunch  # hot path: skip the getattr
         self._record = cudart.cudaEventRecord
+        # CUDA 13 added edge-data arguments to AddNode/UpdateCaptureDependencies; the
+        # 12.x bindings spell those variants with a _v2 suffix.
+        self._edge_args = int(version.split(".", 1)[0]) >= 13 if version[:1].isdigit() else True
 
     # --------------------------------------------------------------- checking
     def _call(self, suffix: str, *args: Any, allow: Sequence[int] = ()) -> tuple[Any, ...]:
@@ -175,3 +180,76 @@ class CudaBindingsRuntime(Runtime):
 
     def stream_wait_event(self, stream: int, event: int) -> None:
         self._call("StreamWaitEvent", stream, event, 0)
+
+    # ---------------------------------------------------- capture introspection
+    def stream_capture_info(self, stream: int) -> CaptureInfo:
+        # 13.x: (err, status, id, graph, deps, edgeData, numDeps); 12.x: no edgeData.
+        res = self._call("StreamGetCaptureInfo", stream)
+        status = int(getattr(res[1], "value", res[1]))
+        if status != 1:
+            return CaptureInfo(status, 0, 0, ())
+        count = int(res[-1] or 0)
+        deps = tuple(int(d) for d in (res[4] or ())[:count])
+        return CaptureInfo(status, int(res[2] or 0), int(res[3] or 0), deps)
+
+    def graph_nodes(self, graph: int) -> list[int]:
+        count = int(self._call("GraphGetNodes", graph, 0)[2])
+        if count == 0:
+            return []
+        res = self._call("GraphGetNodes", graph, count)
+        return [int(n) for n in (res[1] or ())[: int(res[2])]]
+
+    def node_type(self, node: int) -> int:
+        kind = self._call("GraphNodeGetType", node)[1]
+        return int(getattr(kind, "value", kind))
+
+    def exec_node_set_enabled(self, exec_: int, node: int, enabled: bool) -> None:
+        self._call("GraphNodeSetEnabled", exec_, node, 1 if enabled else 0)
+
+    # -------------------------------------------------------- conditional nodes
+    def conditional_nodes_reason(self) -> str | None:
+        missing = [n for n in ("GraphConditionalHandleCreate", "StreamBeginCaptureToGraph",
+                               "GraphAddNode") if not self._has(n)]
+        if missing or not hasattr(self._rt, "cudaConditionalNodeParams"):
+            return (f"{self.binding} lacks {', '.join('cuda' + m for m in missing) or 'cudaConditionalNodeParams'}"
+                    f"; conditional nodes need {INSTALL_HINT}")
+        return None
+
+    def conditional_handle_create(self, graph: int, *, default_value: int = 0,
+                                  assign_default: bool = True) -> int:
+        flags = 1 if assign_default else 0  # cudaGraphCondAssignDefault
+        return int(self._call("GraphConditionalHandleCreate", graph, int(default_value), flags)[1])
+
+    def graph_add_conditional(self, graph: int, deps: Sequence[int], handle: int, cond_type: int,
+                              size: int) -> tuple[int, list[int]]:
+        rt = self._rt
+        params = rt.cudaGraphNodeParams()
+        params.type = rt.cudaGraphNodeType.cudaGraphNodeTypeConditional
+        cond = params.conditional  # a view into params: the runtime fills phGraph_out there
+        cond.handle = rt.cudaGraphConditionalHandle(int(handle))
+        cond.type = rt.cudaGraphConditionalNodeType(int(cond_type))
+        cond.size = int(size)
+        nodes = [self._node_t(init_value=int(d)) for d in deps]
+        if self._edge_args:
+            res = self._call("GraphAddNode", graph, nodes, None, len(nodes), params)
+        else:
+            res = self._call("GraphAddNode_v2", graph, nodes, None, len(nodes), params)
+        bodies = [int(g) for g in (params.conditional.phGraph_out or ())][: int(size)]
+        if len(bodies) != int(size) or not all(bodies):
+            raise RuntimeError(f"cudaGraphAddNode added a conditional node but returned {len(bodies)} "
+                               f"body graph(s), expected {size}; this cuda-bindings ({self.version}) does "
+                               "not report phGraph_out. Upgrade: " + INSTALL_HINT)
+        return int(res[1]), bodies
+
+    def stream_set_capture_dependencies(self, stream: int, deps: Sequence[int]) -> None:
+        nodes = [self._node_t(init_value=int(d)) for d in deps]
+        set_flag = self._rt.cudaStreamUpdateCaptureDependenciesFlags.cudaStreamSetCaptureDependencies
+        if self._edge_args:
+            self._call("StreamUpdateCaptureDependencies", stream, nodes, None, len(nodes), set_flag)
+        else:
+            self._call("StreamUpdateCaptureDependencies_v2", stream, nodes, None, len(nodes), set_flag)
+
+    def stream_begin_capture_to_graph(self, stream: int, graph: int,
+                                      mode: int = CAPTURE_MODE_THREAD_LOCAL) -> None:
+        self._call("StreamBeginCaptureToGraph", stream, graph, None, None, 0,
+                   self._rt.cudaStreamCaptureMode(int(mode)))

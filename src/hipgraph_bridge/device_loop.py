@@ -1,0 +1,426 @@
+"""DeviceWhileLoop: a data-dependent while loop captured into one graph (gap 51).
+
+Workflow::
+
+    i = torch.zeros((), dtype=torch.int64, device="cuda")
+    x = torch.randn(1024, device="cuda")
+
+    def body(i, x):             # in place: returns None (or returns new values)
+        x.mul_(0.5).add_(1.0)
+        i.add_(1)
+
+    loop = DeviceWhileLoop(LoopCondition(0, "<", 64), body, (i, x), max_iters=1000)
+    i_out, x_out = loop.run(i0, x0)   # copies the state in, loops on the device, returns the state
+    loop.iterations                   # device int32 tensor: body iterations of the last run (no sync)
+
+1. ``state`` is the loop-carried tuple of tensors; it is cloned into static
+   buffers, which the graph reads and writes.
+2. ``body_fn(*state)`` runs one iteration: in place (returning None, no extra
+   kernels) or returning new values of the same layout (copied into the state,
+   one copy per tensor).
+3. The condition is either a :class:`LoopCondition` (a comparison of one
+   state scalar with a constant, folded into the setter kernel: no extra
+   kernel per iteration) or ``cond_fn(*state)`` returning a one-element
+   tensor (non-zero: go on), whose kernels run once per iteration.
+4. ``max_iters`` caps the iterations on every strategy.
+
+Strategies (:attr:`DeviceWhileLoop.strategy`), chosen by one cached probe
+(:func:`~hipgraph_bridge.cond_nodes.conditional_support`):
+
+* ``"native"`` (CUDA >= 12.4): a WHILE node; the setter kernel counts the
+  iteration, evaluates the condition and stops at the cap, all on the device.
+  A run is one graph launch and no host sync.
+* ``"host"`` (HIP, forcible on CUDA): the body and the condition captured as
+  one step graph; the host replays it and reads the condition (one sync per
+  iteration).
+* ``"eager"``: no GPU graphs (CPU-only PyTorch) or a failed capture.
+
+What it will not do: nest loops on the native path, run random-number ops in
+the body (see :mod:`.cond_nodes`), or loop without a cap.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from . import stats as _stats
+from .capture_state import frozen_gc
+from .log import logger
+from .platform import probe
+from .tree_utils import describe
+
+__all__ = ["DeviceWhileLoop", "LoopCondition", "LoopStrategy", "LOOP_STRATEGIES", "resolve_loop_strategy"]
+
+LoopStrategy = Literal["auto", "native", "host"]
+LOOP_STRATEGIES: tuple[str, ...] = ("auto", "native", "host")
+_OPS = ("<", "<=", ">", ">=", "==", "!=", "nonzero")
+_KERNEL_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float32,
+                  torch.float64)
+_TORCH_OPS: dict[str, Callable[[torch.Tensor, Any], torch.Tensor]] = {
+    "<": torch.lt, "<=": torch.le, ">": torch.gt, ">=": torch.ge, "==": torch.eq, "!=": torch.ne,
+}
+
+
+@dataclass(frozen=True)
+class LoopCondition:
+    """Go on while ``state[index] <op> value`` (``op="nonzero"``: while it is non-zero).
+
+    ``state[index]`` must be a one-element tensor of dtype bool, uint8,
+    int8/16/32/64, float32 or float64; integer and bool states compare with
+    an integer ``value``.
+    """
+
+    index: int
+    op: str = "<"
+    value: int | float = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.index, bool) or not isinstance(self.index, int) or self.index < 0:
+            raise ValueError(f"LoopCondition.index: expected an int >= 0, got {self.index!r}")
+        if self.op not in _OPS:
+            raise ValueError(f"LoopCondition.op: expected one of {', '.join(_OPS)}, got {self.op!r}")
+        if isinstance(self.value, bool) or not isinstance(self.value, (int, float)):
+            raise TypeError(f"LoopCondition.value: expected an int or float, got {type(self.value).__name__}")
+
+    def evaluate(self, state: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The condition as a bool tensor, with PyTorch ops (host and eager strategies)."""
+        t = state[self.index]
+        if self.op == "nonzero":
+            return t != 0
+        return _TORCH_OPS[self.op](t, self.value)
+
+
+def resolve_loop_strategy(requested: str) -> tuple[str, str]:
+    """The loop strategy and why.
+
+    Raises:
+        ValueError: an unknown strategy.
+        RuntimeError: ``"native"`` forced where WHILE nodes are unsupported.
+    """
+    if requested not in LOOP_STRATEGIES:
+        raise ValueError(f"strategy: expected one of {', '.join(LOOP_STRATEGIES)}, got {requested!r}")
+    plat = probe()
+    if not plat.graphs_available:
+        return "eager", plat.reason or "no GPU"
+    if requested == "host":
+        return "host", "strategy='host' was requested"
+    from .cond_nodes import conditional_support
+
+    support = conditional_support()
+    if support.while_loop:
+        return "native", "the driver and cuda-bindings support WHILE nodes"
+    if requested == "native":
+        raise RuntimeError(f"strategy='native' needs CUDA WHILE nodes: {support.reason}; use "
+                           "strategy='auto' to fall back to the host-driven loop")
+    return "host", f"native WHILE nodes unavailable: {support.reason}"
+
+
+class DeviceWhileLoop:
+    """A while loop over tensors, captured once and replayed; see the module docstring.
+
+    Args:
+        cond: a :class:`LoopCondition` or ``cond_fn(*state)`` returning a one-element tensor.
+        body_fn: ``body_fn(*state)``: in place (returns None) or returns the new state.
+        state: a tensor or a tuple/list of tensors on one device (cloned).
+        max_iters: the iteration cap (>= 0); the loop stops there even if the condition holds.
+        strategy: ``"auto"``, ``"native"`` or ``"host"``.
+        copy_outputs: :meth:`run` returns copies of the state (default) or the static buffers.
+        warmup_iters: eager body runs before capture (on scratch copies; the state is restored).
+    """
+
+    def __init__(self, cond: LoopCondition | Callable[..., torch.Tensor], body_fn: Callable[..., Any],
+                 state: torch.Tensor | Sequence[torch.Tensor], *, max_iters: int = 10_000,
+                 strategy: LoopStrategy = "auto", copy_outputs: bool = True, warmup_iters: int = 1) -> None:
+        if not isinstance(cond, LoopCondition) and not callable(cond):
+            raise TypeError(f"cond: expected a LoopCondition or a callable, got {type(cond).__name__}")
+        if not callable(body_fn):
+            raise TypeError(f"body_fn: expected a callable, got {type(body_fn).__name__}")
+        if isinstance(max_iters, bool) or not isinstance(max_iters, int) or not 0 <= max_iters < 2**31:
+            raise ValueError(f"max_iters: expected an int in [0, 2**31), got {max_iters!r}")
+        if strategy not in LOOP_STRATEGIES:
+            raise ValueError(f"strategy: expected one of {', '.join(LOOP_STRATEGIES)}, got {strategy!r}")
+        if isinstance(warmup_iters, bool) or not isinstance(warmup_iters, int) or warmup_iters < 0:
+            raise ValueError(f"warmup_iters: expected an int >= 0, got {warmup_iters!r}")
+        tensors = _as_state("state", state)
+        devices = {t.device for t in tensors}
+        if len(devices) != 1:
+            raise ValueError(f"state: expected tensors on one device, got {sorted(map(str, devices))}")
+        if isinstance(cond, LoopCondition):
+            _check_condition(cond, tensors)
+        self.cond = cond
+        self.body_fn = body_fn
+        self.max_iters = max_iters
+        self.requested_strategy: str = strategy
+        self.copy_outputs = bool(copy_outputs)
+        self.warmup_iters = warmup_iters
+        self._device = next(iter(devices))
+        with torch.no_grad():
+            self._state = tuple(t.detach().clone() for t in tensors)
+        self._counter = torch.zeros((), dtype=torch.int32, device=self._device)
+        self._strategy = "pending"
+        self._strategy_reason = ""
+        self._graph: Any = None
+        self._pool: Any = None
+        self._flag: torch.Tensor | None = None
+        self._fallback: tuple[str, str] | None = None
+        self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None  # (outer, body)
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def strategy(self) -> str:
+        """``native``, ``host``, ``eager``, or ``pending`` before the first capture."""
+        return self._strategy
+
+    @property
+    def strategy_reason(self) -> str:
+        return self._strategy_reason
+
+    @property
+    def state(self) -> tuple[torch.Tensor, ...]:
+        """The static state buffers (write into them and call ``run()`` to skip the copy)."""
+        return self._state
+
+    @property
+    def iterations(self) -> torch.Tensor:
+        """Body iterations of the last run: a 0-dim int32 tensor on the state's device (no sync)."""
+        return self._counter
+
+    # ---------------------------------------------------------------- capture
+    def capture(self) -> None:
+        """Capture the loop now (otherwise the first :meth:`run` does). Idempotent."""
+        with self._lock:
+            if self._strategy != "pending":
+                return
+            strategy, why = resolve_loop_strategy(self.requested_strategy)
+            self._strategy, self._strategy_reason = strategy, why
+            if strategy == "eager":
+                self._fallback = ("no_gpu", why)
+                return
+            if self._device.type != "cuda":
+                raise ValueError(f"state: expected CUDA tensors for a captured loop, got {self._device}")
+            try:
+                with torch.cuda.device(self._device), frozen_gc():
+                    self._warm_up()
+                    if strategy == "native":
+                        self._capture_native()
+                    else:
+                        self._capture_host()
+            except Exception as exc:
+                self._graph = None
+                self._strategy = "eager"
+                self._strategy_reason = f"{strategy} capture failed: {type(exc).__name__}: {exc}"
+                self._fallback = ("capture_failed", self._strategy_reason)
+                logger.warning("gfxgraph: DeviceWhileLoop runs eagerly from now on: %s", self._strategy_reason)
+            logger.debug("gfxgraph: DeviceWhileLoop strategy %s (%s)", self._strategy, self._strategy_reason)
+
+    def _warm_up(self) -> None:
+        if not self.warmup_iters:
+            return
+        saved = tuple(t.clone() for t in self._state)
+        outer, body = self._streams_for_capture()
+        streams = [outer] if self._strategy == "host" else [outer, body]
+        try:
+            for s in streams:  # per-stream state (cuBLAS workspaces) is set up outside the capture
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.no_grad(), torch.cuda.stream(s):
+                    for _ in range(self.warmup_iters):
+                        self._cond_tensor()
+                        self._apply_body()
+                torch.cuda.current_stream().wait_stream(s)
+        finally:  # the warm-up ran the body on the real state: put the caller's values back
+            torch.cuda.synchronize(self._device)
+            with torch.no_grad():
+                for t, v in zip(self._state, saved):
+                    t.copy_(v)
+
+    def _streams_for_capture(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        streams = self._streams
+        if streams is None:
+            from .cond_nodes import side_stream
+
+            outer = torch.cuda.Stream(device=self._device)
+            streams = (outer, side_stream(self._device.index, avoid=[outer]))
+            self._streams = streams
+        return streams
+
+    def _capture_native(self) -> None:
+        from .cond_nodes import BodyPool, NativeConditional
+        from .graph_manager import BridgedCUDAGraph
+        from .nvrtc_kernels import COMPARE_OPS, dtype_kind
+
+        outer, body_stream = self._streams_for_capture()
+        pool = BodyPool(self._device.index)
+        native = NativeConditional(device=self._device.index, body_stream=body_stream, pool=pool)
+        cond = self.cond
+
+        def step(handle: int, first: bool) -> None:
+            if isinstance(cond, LoopCondition):
+                value = self._state[cond.index]
+                op = COMPARE_OPS[cond.op]
+                rhs_i, rhs_f = _rhs(cond.value)
+            else:
+                value = self._cond_tensor()
+                op, rhs_i, rhs_f = COMPARE_OPS["nonzero"], 0, 0.0
+                if value.dtype not in _KERNEL_DTYPES:  # e.g. float16: one more kernel, read as bool
+                    value = value != 0
+            native.launch_loop_step(handle, value, kind=dtype_kind(value.dtype), op=op, rhs_i=rhs_i,
+                                    rhs_f=rhs_f, counter=self._counter, max_iters=self.max_iters, first=first)
+
+        g = BridgedCUDAGraph()
+        outer.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(outer):
+            g.capture_begin(pool=torch.cuda.graph_pool_handle())
+            try:
+                native.while_loop(step, self._apply_body)
+            except BaseException as exc:
+                g._discard(f"while-loop capture raised {type(exc).__name__}: {exc}", capture_ended=False)
+                raise
+            g.capture_end()
+        torch.cuda.current_stream().wait_stream(outer)
+        self._graph, self._pool = g, pool
+
+    def _capture_host(self) -> None:
+        from .graph_manager import BridgedCUDAGraph
+
+        outer, _ = self._streams_for_capture()
+        self._flag = torch.zeros((), dtype=torch.bool, device=self._device)
+        g = BridgedCUDAGraph()
+        outer.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(outer):
+            g.capture_begin(pool=torch.cuda.graph_pool_handle())
+            try:
+                self._apply_body()
+                self._flag.copy_(self._cond_tensor().reshape(()) != 0)
+            except BaseException as exc:
+                g._discard(f"loop step capture raised {type(exc).__name__}: {exc}", capture_ended=False)
+                raise
+            g.capture_end()
+        torch.cuda.current_stream().wait_stream(outer)
+        self._graph = g
+
+    # ------------------------------------------------------------- the body
+    def _cond_tensor(self) -> torch.Tensor:
+        if isinstance(self.cond, LoopCondition):
+            return self.cond.evaluate(self._state)
+        out = self.cond(*self._state)
+        if not isinstance(out, torch.Tensor) or out.numel() != 1:
+            raise TypeError(f"cond_fn: expected a one-element tensor, got {describe(out)}")
+        return out
+
+    def _apply_body(self) -> None:
+        new = self.body_fn(*self._state)
+        if new is None:
+            return
+        values = _as_state("body_fn's result", new)
+        if len(values) != len(self._state):
+            raise ValueError(f"body_fn: expected None (in place) or {len(self._state)} tensors like the state, "
+                             f"got {len(values)}")
+        for i, (s, v) in enumerate(zip(self._state, values)):
+            if v.shape != s.shape or v.dtype != s.dtype:
+                raise ValueError(f"body_fn result {i}: expected {describe(s)}, got {describe(v)}")
+            if v is not s:
+                s.copy_(v)
+
+    # -------------------------------------------------------------------- run
+    def run(self, *initial: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Copy ``initial`` (if given) into the state, run the loop, return the state.
+
+        Native: one state copy per tensor, one graph launch, no host sync.
+        Host: one graph launch and one host read per iteration.
+        """
+        with self._lock:
+            if self._strategy == "pending":
+                self.capture()
+            if initial:
+                if len(initial) != len(self._state):
+                    raise ValueError(f"run(): expected {len(self._state)} state tensors (or none), got {len(initial)}")
+                for i, (s, v) in enumerate(zip(self._state, initial)):
+                    if not isinstance(v, torch.Tensor) or v.shape != s.shape or v.dtype != s.dtype \
+                            or v.device != s.device:
+                        raise ValueError(f"run() state {i}: expected {describe(s)}, got {describe(v)}")
+                    if v is not s:
+                        s.copy_(v)
+            if self._strategy == "native":
+                self._graph._launch()
+            elif self._strategy == "host":
+                self._run_host()
+            else:
+                self._run_eager()
+            if self.copy_outputs:
+                return tuple(t.clone() for t in self._state)
+            return self._state
+
+    def _run_host(self) -> None:
+        assert self._flag is not None
+        done = 0
+        with torch.no_grad():
+            go = bool(self._cond_tensor().reshape(()).item())
+            while go and done < self.max_iters:
+                self._graph._launch()
+                done += 1
+                go = bool(self._flag.item())
+        self._counter.fill_(done)
+
+    def _run_eager(self) -> None:
+        reason, detail = self._fallback or ("eager", "")
+        _stats.record_fallback(reason, detail)
+        done = 0
+        with torch.no_grad():
+            go = bool(self._cond_tensor().reshape(()).item())
+            while go and done < self.max_iters:
+                self._apply_body()
+                done += 1
+                go = bool(self._cond_tensor().reshape(()).item())
+        self._counter.fill_(done)
+
+    def close(self) -> None:
+        """Release the graph (idempotent); the loop re-captures on its next run."""
+        with self._lock:
+            if self._graph is not None:
+                try:
+                    torch.cuda.synchronize(self._device)
+                    self._graph.reset()
+                except Exception as exc:
+                    logger.debug("gfxgraph: releasing a loop graph failed: %s", exc)
+            self._graph = None
+            if self._pool is not None:
+                self._pool.close()
+                self._pool = None
+            if self._strategy in ("native", "host"):
+                self._strategy = "pending"
+
+    def __repr__(self) -> str:
+        return (f"DeviceWhileLoop(strategy={self._strategy}, state={len(self._state)} tensors, "
+                f"max_iters={self.max_iters})")
+
+
+def _as_state(name: str, value: Any) -> tuple[torch.Tensor, ...]:
+    items = (value,) if isinstance(value, torch.Tensor) else value
+    if not isinstance(items, (tuple, list)) or not items or not all(isinstance(t, torch.Tensor) for t in items):
+        raise TypeError(f"{name}: expected a tensor or a non-empty tuple/list of tensors, got {describe(value)}")
+    return tuple(items)
+
+
+def _check_condition(cond: LoopCondition, state: tuple[torch.Tensor, ...]) -> None:
+    if cond.index >= len(state):
+        raise ValueError(f"LoopCondition.index {cond.index}: expected < {len(state)} (the state has "
+                         f"{len(state)} tensors)")
+    t = state[cond.index]
+    if t.numel() != 1:
+        raise ValueError(f"LoopCondition: state[{cond.index}] must hold one element, got shape {tuple(t.shape)}")
+    from .nvrtc_kernels import dtype_kind
+
+    kind = dtype_kind(t.dtype)
+    if kind < 5 and cond.op != "nonzero" and not float(cond.value).is_integer():
+        raise TypeError(f"LoopCondition.value: state[{cond.index}] is {t.dtype}; expected an integer value, "
+                        f"got {cond.value!r}")
+
+
+def _rhs(value: int | float) -> tuple[int, float]:
+    return int(value), float(value)
