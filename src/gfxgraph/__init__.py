@@ -12,7 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from hipgraph_bridge import (
+    BackendOptions,
     BridgedCUDAGraph,
+    backend_stats,
+    gfxgraph_backend,
     ConditionalGraph,
     DeviceWhileLoop,
     LoopCondition,
@@ -48,6 +51,9 @@ __all__ = [
     "BridgedCUDAGraph",
     "ShapeBucketPool",
     "default_buckets",
+    "gfxgraph_backend",
+    "BackendOptions",
+    "backend_stats",
     "ConditionalGraph",
     "DeviceWhileLoop",
     "LoopCondition",

@@ -11,6 +11,7 @@ from . import ops  # registers torch.ops.gfxgraph.conditional_select
 from .compositor import CompositorState, GraphCompositor, StageCapture, SwapResult, validate_dag
 from .errors import ConfigError, GraphCaptureError, GraphRuntimeError, GraphsUnavailableError
 from .graph_manager import BridgedCUDAGraph, OriginalCUDAGraph
+from .compile_backend import BackendOptions, backend_stats, gfxgraph_backend
 from .cond_nodes import ConditionalSupport, conditional_support
 from .conditional import ConditionalGraph, ConditionalState
 from .device_loop import DeviceWhileLoop, LoopCondition
@@ -36,6 +37,9 @@ __all__ = [
     "GraphsUnavailableError",
     "ShapeBucketPool",
     "default_buckets",
+    "gfxgraph_backend",
+    "BackendOptions",
+    "backend_stats",
     "ConditionalGraph",
     "ConditionalState",
     "DeviceWhileLoop",

@@ -70,6 +70,10 @@ def open_session(owner: BridgedCUDAGraph, *, model_fn: Any, example_input: Any, 
     _check_model_fn(model_fn)
     if isinstance(warmup_iters, bool) or not isinstance(warmup_iters, int) or warmup_iters < 0:
         raise ValueError(f"warmup_iters: expected an int >= 0, got {warmup_iters!r}")
+    if not isinstance(copy_outputs, bool):
+        raise TypeError(f"copy_outputs: expected a bool, got {copy_outputs!r}")
+    if not isinstance(dynamic_shapes, bool):
+        raise TypeError(f"dynamic_shapes: expected a bool, got {dynamic_shapes!r}")
     if dynamic_shapes and conditional_branches:
         raise ValueError("capture(): dynamic_shapes and conditional_branches cannot be combined")
     if dynamic_shapes:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Literal
 
@@ -48,6 +49,13 @@ _LOG_LEVELS = {
 _log = logging.getLogger("gfxgraph")
 
 
+def _warn(msg: str) -> None:
+    # Both: the logger for configured applications, a Python warning so it is seen
+    # at import even where logging is not set up (the library logger has only a NullHandler).
+    _log.warning(msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
 class ConfigError(ValueError):
     """An environment variable or option holds a value gfxgraph does not accept."""
 
@@ -62,11 +70,8 @@ def read_enable_mode(environ: Mapping[str, str] | None = None) -> EnableMode:
     value = raw.strip().lower()
     mode = _ENABLE_VALUES.get(value)
     if mode is None:
-        _log.warning(
-            "GFXGRAPH=%r is not understood; accepted values are 1, debug, validate, 0. "
-            "gfxgraph stays disabled.",
-            raw,
-        )
+        _warn(f"GFXGRAPH={raw!r} is not understood; accepted values are 1, debug, validate, 0. "
+              "gfxgraph stays disabled.")
         return "off"
     return mode
 
@@ -79,11 +84,8 @@ def read_log_level(environ: Mapping[str, str] | None = None) -> int | None:
         return None
     level = _LOG_LEVELS.get(raw.strip().lower())
     if level is None:
-        _log.warning(
-            "HGB_LOG_LEVEL=%r is not understood; accepted values are debug, info, warn, error. "
-            "The 'gfxgraph' logger keeps its level.",
-            raw,
-        )
+        _warn(f"HGB_LOG_LEVEL={raw!r} is not understood; accepted values are debug, info, warn, error. "
+              "The 'gfxgraph' logger keeps its level.")
     return level
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -184,6 +185,9 @@ class BridgedCUDAGraph(OriginalCUDAGraph):  # type: ignore[misc,valid-type]
         if pool is None:
             # Our own handle, so a failed capture's pool reference can be released.
             pool = torch.cuda.graph_pool_handle()
+        elif not (isinstance(pool, tuple) and len(pool) == 2 and all(isinstance(v, int) for v in pool)):
+            raise TypeError("pool: expected a handle from torch.cuda.graph_pool_handle() or another graph's "
+                            f"pool() (a pair of ints), got {pool!r}")
         self._capture_stream = stream
         self._capture_pool = (int(pool[0]), int(pool[1]))
         self._capture_device = torch.cuda.current_device()
@@ -326,16 +330,19 @@ class BridgedCUDAGraph(OriginalCUDAGraph):  # type: ignore[misc,valid-type]
         """
         tick = self._ticks.__next__
         base, record, now, mask = _base_replay, _record_replay, _now, _SAMPLE_MASK
-        graph, slow = self, self._replay_slow
+        # A weak reference: the closure lives in this graph's __dict__, and a strong one
+        # would make a cycle that keeps a dropped graph (and its pool) until a full gc.
+        graph = weakref.ref(self)
+        cls = type(self)
 
         def replay(*, batch_size: Any = None, branch: Any = None, input_tensor: Any = None) -> Any:
             if batch_size is not None or branch is not None or input_tensor is not None:
-                return slow(batch_size, branch, input_tensor)
+                return cls._replay_slow(graph(), batch_size, branch, input_tensor)
             if tick() & mask:
-                base(graph)
+                base(graph())
                 return None
             t0 = now()
-            base(graph)
+            base(graph())
             record(now() - t0)
             return None
 
@@ -480,7 +487,12 @@ class BridgedCUDAGraph(OriginalCUDAGraph):  # type: ignore[misc,valid-type]
         if self._state is GraphState.CAPTURING:
             raise RuntimeError("capture() called while this graph is capturing")
         if self._session is not None or self._state is _READY:
-            self.reset()
+            if _BASE_IS_STUB:  # nothing native to release without a GPU
+                self._session.close()
+                self._session = None
+                self._state = GraphState.EMPTY
+            else:
+                self.reset()
         session = open_session(
             self,
             model_fn=model_fn,

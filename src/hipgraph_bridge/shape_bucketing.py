@@ -32,14 +32,19 @@ Calls must therefore not overlap on different CUDA streams. Model calls (capture
 eager fallback) run under ``torch.no_grad()``: this is for inference; use
 ``torch.cuda.make_graphed_callables`` for training.
 
-What it will not do: call the pool from several threads at once (calls are
-serialised by a lock: static buffers admit one call at a time), or guess which
-output tensors carry the batch when a non-batch output happens to have
-exactly ``b`` rows in dimension ``batch_dim`` (it is then sliced as batched).
+Calls are serialised by a lock (static buffers admit one call at a time), and a
+call from another CUDA stream than the previous one first waits for it. In
+validation mode (``gfxgraph.enable(validate=True)``) every call also runs eagerly
+and returns the eager result when they differ.
+
+What it will not do: make a non-batched output that reduces over the batch
+(a batch mean) match eager when padding rows are added: such an output sees
+the padding. Validation mode catches it.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
@@ -49,13 +54,15 @@ from typing import Any, Literal
 import torch
 from torch.utils import _pytree as pytree
 
+from . import settings as _settings
 from . import stats as _stats
 from .capture_state import frozen_gc
 from .env import check_vram_cap, read_vram_cap
-from .log import logger
+from .log import log_once, logger
 from .memory import exceeds_vram_cap, graph_pool_bytes
 from .platform import probe
 from .tree_utils import describe
+from .validation import outputs_match
 from .weak_outputs import release_outputs
 
 __all__ = ["ShapeBucketPool", "default_buckets", "validate_buckets", "BucketPoolSession"]
@@ -164,6 +171,16 @@ class ShapeBucketPool:
             raise ValueError(f"warmup_iters: expected an int >= 0, got {warmup_iters!r}")
         if pad_value is not None and not isinstance(pad_value, (int, float, bool)):
             raise TypeError(f"pad_value: expected a number or None, got {type(pad_value).__name__}")
+        if isinstance(static_args, (str, bytes)) or not isinstance(static_args, Iterable):
+            raise TypeError(f"static_args: expected a collection of argument positions (int) or names (str), "
+                            f"got {static_args!r}")
+        if not isinstance(copy_outputs, bool):
+            raise TypeError(f"copy_outputs: expected a bool, got {copy_outputs!r}")
+        if not isinstance(progress, bool):
+            raise TypeError(f"progress: expected a bool, got {progress!r}")
+        for gen in generators:
+            if not isinstance(gen, torch.Generator):
+                raise TypeError(f"generators: expected torch.Generator objects, got {type(gen).__name__}")
         for s in static_args:
             if isinstance(s, bool) or not isinstance(s, (int, str)):
                 raise TypeError(f"static_args: expected argument positions (int) or names (str), got {s!r}")
@@ -200,6 +217,7 @@ class ShapeBucketPool:
         self._pool_handle: Any = None
         self._retired_pools: list[Any] = []  # pools of earlier graphs, after a capture failure
         self._stream: torch.cuda.Stream | None = None
+        self._last_stream: torch.cuda.Stream | None = None  # stream of the previous call
         self._largest_growth = 0
         self._out_flags: dict[tuple[Hashable, ...], tuple[bool, ...]] = {}
         self.capture_seconds = 0.0
@@ -376,6 +394,8 @@ class ShapeBucketPool:
             bucket = self._table[batch]
             key = (bucket, tuple(leaf for leaf, k in zip(leaves, layout.kinds) if k == "const"))
             entry = self._entries.get(key)
+            if self._graphs_available:
+                self._order_after_previous_call()
             if entry is None:
                 self._stage_inputs(leaves, batch)
                 entry = self._capture(bucket, key, leaves)
@@ -387,7 +407,30 @@ class ShapeBucketPool:
             if entry.graph is None:
                 return self._padded_eager(entry, leaves, batch)
             entry.graph._launch()
-            return self._outputs(entry, entry.outputs, batch)
+            out = self._outputs(entry, entry.outputs, batch)
+            if _settings.current().validate:
+                return self._validated(out, args, kwargs)
+            return out
+
+    def _order_after_previous_call(self) -> None:
+        """Calls from different streams must not overlap on the static buffers and shared pool."""
+        stream = torch.cuda.current_stream()
+        last = self._last_stream
+        if last is not None and last != stream:
+            stream.wait_stream(last)
+        self._last_stream = stream
+
+    def _validated(self, graph_out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Validation mode: compare with eager (dtype-aware), count, return eager on mismatch."""
+        eager_out = self._eager(args, kwargs)
+        ok, why = outputs_match(graph_out, eager_out)
+        _stats.record_validation(ok)
+        if not ok:
+            log_once(("validation", id(self)), logging.WARNING,
+                     "gfxgraph: ShapeBucketPool replay differs from eager (%s); returning the eager result. "
+                     "A non-batched output that reduces over the batch (it sees the padding rows) does this.", why)
+            return eager_out
+        return graph_out
 
     def _padded_eager(self, entry: _Bucket, leaves: list[Any], batch: int) -> Any:
         """No GPU: the same padded pipeline as a replay, with the model run eagerly."""
@@ -417,54 +460,39 @@ class ShapeBucketPool:
     # --------------------------------------------------------------- capture
     def _capture(self, bucket: int, key: tuple[int, tuple[Hashable, ...]], leaves: list[Any],
                  *, freeze_gc: bool = True) -> _Bucket:
+        """Capture ``bucket`` for ``key``; the entry is stored only once its outcome is known.
+
+        A ``KeyboardInterrupt`` (or any ``BaseException``) during warm-up or capture
+        leaves no entry behind, so the next call tries again; the capture itself was
+        already ended cleanly by the graph.
+        """
         entry = _Bucket(bucket, key[1])
-        self._entries[key] = entry
         if not self._graphs_available:
+            self._entries[key] = entry
             return entry  # runs the padded pipeline eagerly (see _padded_eager)
         over, why = exceeds_vram_cap(self._largest_growth, self.vram_cap)
         if over:
             entry.reason, entry.failed = "vram_cap", f"bucket {bucket}: {why}"
             logger.warning("gfxgraph: bucket %d runs eagerly: %s", bucket, why)
+            self._entries[key] = entry
             return entry
-        from .graph_manager import BridgedCUDAGraph
-
         stream = self._capture_stream()
         a, k = self._bucket_args(bucket, leaves)
         t0 = time.perf_counter()
         reserved_before = torch.cuda.memory_reserved()
-        g = BridgedCUDAGraph()
-        for gen in self.generators:
-            g.register_generator_state(gen)
         try:
-            with torch.no_grad():
-                if self.warmup_iters:
-                    stream.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(stream):
-                        for _ in range(self.warmup_iters):
-                            self.model_fn(*a, **k)
-                    torch.cuda.current_stream().wait_stream(stream)
-                torch.cuda.synchronize()
-                gc_ctx = frozen_gc() if freeze_gc else _nullcontext()
-                with gc_ctx, torch.cuda.stream(stream):
-                    g.capture_begin(pool=self._pool(), capture_error_mode=self.capture_error_mode)
-                    try:
-                        out = self.model_fn(*a, **k)
-                    except BaseException as exc:
-                        g._discard(f"the captured model raised {type(exc).__name__}: {exc}", capture_ended=False)
-                        raise
-                    g.capture_end()
-                torch.cuda.current_stream().wait_stream(stream)
+            out = self._warm_up_and_capture(entry, stream, a, k, freeze_gc)
         except Exception as exc:
             entry.reason = "capture_failed"
             entry.failed = f"bucket {bucket}: {type(exc).__name__}: {exc}"
-            # PyTorch's allocator may keep recording to the pool of a capture that
-            # failed; later buckets capture into a fresh pool rather than trust it.
-            self._retired_pools.append(self._pool_handle)
-            self._pool_handle = None
+            self._retire_pool()
+            self._entries[key] = entry
             logger.warning("gfxgraph: bucket %d runs eagerly from now on: capture failed: %s", bucket, exc)
             return entry
+        except BaseException:
+            self._retire_pool()
+            raise
         self.capture_seconds += time.perf_counter() - t0
-        entry.graph = g
         self._record_output_layout(entry, out, key[1], leaves)
         entry.outputs = release_outputs(pytree.tree_leaves(out))
         del out
@@ -472,12 +500,48 @@ class ShapeBucketPool:
         self._largest_growth = max(self._largest_growth, growth)
         over, why = exceeds_vram_cap(0, self.vram_cap)
         if over:  # the estimate was short: undo this capture to keep the cap
-            g.reset()
+            entry.graph.reset()
             entry.graph, entry.outputs = None, None
             entry.reason, entry.failed = "vram_cap", f"bucket {bucket}: after capture {why}"
             torch.cuda.empty_cache()
             logger.warning("gfxgraph: bucket %d runs eagerly: after capture %s", bucket, why)
+        self._entries[key] = entry
         return entry
+
+    def _warm_up_and_capture(self, entry: _Bucket, stream: torch.cuda.Stream, a: tuple[Any, ...],
+                             k: dict[str, Any], freeze_gc: bool) -> Any:
+        from .graph_manager import BridgedCUDAGraph
+
+        g = BridgedCUDAGraph()
+        for gen in self.generators:
+            g.register_generator_state(gen)
+        with torch.no_grad():
+            if self.warmup_iters:
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(self.warmup_iters):
+                        self.model_fn(*a, **k)
+                torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize()
+            gc_ctx = frozen_gc() if freeze_gc else _nullcontext()
+            with gc_ctx, torch.cuda.stream(stream):
+                g.capture_begin(pool=self._pool(), capture_error_mode=self.capture_error_mode)
+                try:
+                    out = self.model_fn(*a, **k)
+                except BaseException as exc:
+                    g._discard(f"the captured model raised {type(exc).__name__}: {exc}", capture_ended=False)
+                    raise
+                g.capture_end()
+            torch.cuda.current_stream().wait_stream(stream)
+        entry.graph = g
+        return out
+
+    def _retire_pool(self) -> None:
+        # PyTorch's allocator may keep recording to the pool of a capture that
+        # failed; later buckets capture into a fresh pool rather than trust it.
+        if self._pool_handle is not None:
+            self._retired_pools.append(self._pool_handle)
+        self._pool_handle = None
 
     def _record_output_layout(self, entry: _Bucket, outputs: Any, key: tuple[Any, ...],
                               leaves: list[Any]) -> None:
