@@ -92,9 +92,10 @@ def stream_is_capturing(stream: torch.cuda.Stream) -> bool:
 def end_stream_capture(stream: torch.cuda.Stream) -> bool:
     """Take ``stream`` out of capture mode through the runtime layer, discarding the graph.
 
-    Used only when PyTorch's ``capture_end`` failed and left the stream capturing
-    (for instance when it was called on the wrong stream). Returns whether the
-    stream is out of capture mode afterwards.
+    Ends the capture without instantiating what was captured: a partial graph
+    can hold nodes that are unsafe to instantiate (a conditional node whose body
+    capture failed crashes the driver there). Returns whether the stream is out
+    of capture mode afterwards; False also when no runtime binding is installed.
     """
     if not stream_is_capturing(stream):
         return True
@@ -103,12 +104,8 @@ def end_stream_capture(stream: torch.cuda.Stream) -> bool:
 
         current_runtime().end_capture_and_discard(stream.cuda_stream)
     except Exception as exc:
-        logger.error(
-            "gfxgraph: stream %#x is still capturing and could not be ended (%s); "
-            "install the runtime binding (pip install 'gfxgraph[cuda]') so gfxgraph can end it",
-            stream.cuda_stream,
-            exc,
-        )
+        logger.debug("gfxgraph: ending the capture of stream %#x through the runtime layer failed: %s",
+                     stream.cuda_stream, exc)
     return not stream_is_capturing(stream)
 
 

@@ -278,13 +278,19 @@ class BridgedCUDAGraph(OriginalCUDAGraph):  # type: ignore[misc,valid-type]
         """
         stream = self._capture_stream
         try:
-            if not capture_ended and stream is not None and stream_is_capturing(stream):
+            if not capture_ended and stream is not None and stream_is_capturing(stream) \
+                    and not end_stream_capture(stream):
+                # No runtime binding: PyTorch's capture_end ends it (and instantiates the partial graph)
                 try:
                     with torch.cuda.stream(stream):
                         super().capture_end()
-                    capture_ended = True  # the runtime took the partial capture
+                    capture_ended = True
                 except BaseException:
-                    end_stream_capture(stream)
+                    pass
+                if stream_is_capturing(stream):
+                    logger.error("gfxgraph: stream %#x is still capturing after a failed capture; install "
+                                 "the runtime binding (pip install 'gfxgraph[cuda]') so gfxgraph can end it",
+                                 stream.cuda_stream)
             if not capture_ended and self._capture_pool is not None:
                 release_capture_pool(self._capture_device, self._capture_pool)
             synchronize_quietly(self)
