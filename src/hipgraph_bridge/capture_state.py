@@ -67,10 +67,11 @@ def unregister_capture(stream: torch.cuda.Stream | None, owner: object) -> None:
             del _active[stream.cuda_stream]
 
 
-def capture_on_stream(stream: torch.cuda.Stream) -> object | None:
-    """The gfxgraph object capturing on ``stream``, if any."""
+def capture_on_stream(stream: torch.cuda.Stream | int) -> object | None:
+    """The gfxgraph object capturing on ``stream`` (a torch stream or a raw pointer), if any."""
+    ptr = stream if isinstance(stream, int) else stream.cuda_stream
     with _lock:
-        ref = _active.get(stream.cuda_stream)
+        ref = _active.get(ptr)
     return None if ref is None else ref()
 
 
@@ -89,7 +90,7 @@ def stream_is_capturing(stream: torch.cuda.Stream) -> bool:
         return False
 
 
-def end_stream_capture(stream: torch.cuda.Stream) -> bool:
+def end_stream_capture(stream: torch.cuda.Stream, *, destroy: bool = True) -> bool:
     """Take ``stream`` out of capture mode through the runtime layer, discarding the graph.
 
     Ends the capture without instantiating what was captured: a partial graph
@@ -102,7 +103,7 @@ def end_stream_capture(stream: torch.cuda.Stream) -> bool:
     try:
         from .runtime import current_runtime
 
-        current_runtime().end_capture_and_discard(stream.cuda_stream)
+        current_runtime().end_capture_and_discard(stream.cuda_stream, destroy=destroy)
     except Exception as exc:
         logger.debug("gfxgraph: ending the capture of stream %#x through the runtime layer failed: %s",
                      stream.cuda_stream, exc)

@@ -313,9 +313,9 @@ class NativeConditional:
         node, graphs = rt.graph_add_conditional(info.graph, info.dependencies, handle, cond_type, size)
         rt.stream_set_capture_dependencies(stream, [node])
         for body, graph in zip(bodies, graphs):
-            self._capture_body(graph, functools.partial(body, handle))
+            self._capture_body(graph, functools.partial(body, handle), stream)
 
-    def _capture_body(self, graph: int, fn: Callable[[], None]) -> None:
+    def _capture_body(self, graph: int, fn: Callable[[], None], outer_stream: int) -> None:
         rt, s = self._rt, self._body_stream
         rt.stream_begin_capture_to_graph(s.cuda_stream, graph, CAPTURE_MODE_THREAD_LOCAL)
         self._busy = True
@@ -324,14 +324,17 @@ class NativeConditional:
                 fn()
         except BaseException:
             self._end_body_quietly()
+            _mark_outer_unsafe(outer_stream)
             raise
         finally:
             self._busy = False
         try:
             ended = rt.stream_end_capture(s.cuda_stream)
         except GraphRuntimeError as exc:
+            _mark_outer_unsafe(outer_stream)
             raise GraphCaptureError(f"ending the capture of a conditional body failed: {exc}") from exc
         if not ended:
+            _mark_outer_unsafe(outer_stream)
             raise GraphCaptureError(
                 "the capture of a conditional body was invalidated; a common cause is a call that "
                 "synchronises with the host inside the body (.item(), .cpu(), print(tensor))")
@@ -344,6 +347,18 @@ class NativeConditional:
                 self._rt.stream_end_capture(s.cuda_stream)
         except Exception as exc:  # the body's own exception is the one to report
             logger.log(logging.DEBUG, "gfxgraph: ending a failed body capture raised: %s", exc)
+
+
+def _mark_outer_unsafe(outer_stream: int) -> None:
+    """The outer graph now holds a node whose body capture failed: it must be leaked, not freed."""
+    from .capture_state import capture_on_stream
+
+    owner = capture_on_stream(outer_stream)
+    if owner is not None:
+        owner._unsafe_partial_graph = True  # type: ignore[attr-defined]
+    else:
+        logger.warning("gfxgraph: a conditional body capture failed inside a capture gfxgraph does not own; "
+                       "end that capture without instantiating or destroying its graph")
 
 
 def _ignore_handle(fn: Callable[[], None]) -> Callable[[int], None]:

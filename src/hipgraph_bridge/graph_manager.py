@@ -119,6 +119,9 @@ class BridgedCUDAGraph(OriginalCUDAGraph):  # type: ignore[misc,valid-type]
         self._ticks = itertools.count()
         self._ticks_base = 0
         self._generators: tuple[Any, ...] = ()  # registered with register_generator_state
+        # Set when a conditional body capture inside this capture failed: the partial graph
+        # must then be leaked, never destroyed or instantiated (the driver crashes on it).
+        self._unsafe_partial_graph = False
 
     # ------------------------------------------------------------------ state
     @property
@@ -193,6 +196,7 @@ class BridgedCUDAGraph(OriginalCUDAGraph):  # type: ignore[misc,valid-type]
         self._capture_device = torch.cuda.current_device()
         self._exc_at_begin = sys.exc_info()[1]
         self._failure = None
+        self._unsafe_partial_graph = False
         register_capture(stream, self)
         self._capture_t0 = time.perf_counter()
         self._state = GraphState.CAPTURING
@@ -279,7 +283,7 @@ class BridgedCUDAGraph(OriginalCUDAGraph):  # type: ignore[misc,valid-type]
         stream = self._capture_stream
         try:
             if not capture_ended and stream is not None and stream_is_capturing(stream) \
-                    and not end_stream_capture(stream):
+                    and not end_stream_capture(stream, destroy=not self._unsafe_partial_graph):
                 # No runtime binding: PyTorch's capture_end ends it (and instantiates the partial graph)
                 try:
                     with torch.cuda.stream(stream):

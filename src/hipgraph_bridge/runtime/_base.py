@@ -323,16 +323,18 @@ class Runtime:
         else:
             raise ValueError(f"kind: expected 'graph', 'exec' or 'event', got {kind!r}")
 
-    def end_capture_and_discard(self, stream_ptr: int) -> None:
+    def end_capture_and_discard(self, stream_ptr: int, *, destroy: bool = True) -> None:
         """End stream capture on ``stream_ptr`` (if it is capturing) and destroy the graph.
 
-        Used by the last-resort recovery in :mod:`hipgraph_bridge.capture_state`.
-        An invalidated capture is ended too (its graph is already gone).
+        Used by the recovery in :mod:`hipgraph_bridge.capture_state`. An invalidated
+        capture is ended too (its graph is already gone). ``destroy=False`` leaves the
+        graph alive (leaked): a graph holding a conditional node whose body capture
+        was invalidated crashes the driver when destroyed or instantiated.
         """
         if self.stream_capture_status(stream_ptr) == 0:
             return
         graph = self.stream_end_capture(stream_ptr)
-        if graph:
+        if graph and destroy:
             self.graph_destroy(graph)
 
     def __repr__(self) -> str:
