@@ -103,3 +103,13 @@ def test_bench_render_writes_tables(tmp_path: Path):
     assert r.returncode == 0, r.stderr
     table = (tmp_path / "out" / "demo.md").read_text()
     assert "| ratio | 1.02 | <= 1.05 | pass |" in table
+
+
+def test_run_module_passes_its_options_through(tmp_path: Path):
+    pkg = tmp_path / "srv"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "__main__.py").write_text(SCRIPT)
+    r = _cli("run", "-m", "srv", "0", "--requests", "40", env={"PYTHONPATH": f"{SRC}{os.pathsep}{tmp_path}"})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["argv"][1:] == ["0", "--requests", "40"]

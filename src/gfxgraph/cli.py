@@ -135,6 +135,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] not in _COMMANDS and not argv[0].startswith("-"):
         argv = ["run", *argv]  # python -m gfxgraph script.py args...
+    module_args: list[str] = []
+    if argv and argv[0] == "run" and "-m" in argv:
+        # everything after `-m MODULE` belongs to the module, options included
+        i = argv.index("-m")
+        argv, module_args = argv[:i + 2], argv[i + 2:]
     args = _parser().parse_args(argv)
+    if module_args:
+        args.target = module_args
     handler = {"run": _cmd_run, "doctor": _cmd_doctor, "version": _cmd_version, "bench": _cmd_bench}
     return handler[args.command](args)

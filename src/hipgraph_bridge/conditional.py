@@ -375,8 +375,15 @@ class ConditionalGraph:
         except Exception as exc:
             b.reason, b.failed = "capture_failed", f"branch {b.name!r}: {type(exc).__name__}: {exc}"
             logger.warning("gfxgraph: branch %r runs eagerly from now on: capture failed: %s", b.name, exc)
+            self._retire_pool()
             return
         b.graph, b.outputs, b.layout = g, out, _layout(out)
+
+    def _retire_pool(self) -> None:
+        """After a failed capture PyTorch's allocator may keep recording to its pool: later
+        captures go to a fresh one (unless the caller gave the pool, then it is theirs)."""
+        if self._pool_arg is None:
+            self._pool_handle = torch.cuda.graph_pool_handle()
 
     def _check_uniform(self) -> None:
         layouts = [b.layout for b in self._branches]
@@ -409,6 +416,7 @@ class ConditionalGraph:
             with torch.cuda.device(self._device), frozen_gc():
                 dg = self._capture_native(kind) if self._strategy == "native" else self._capture_supergraph(kind)
         except Exception as exc:
+            self._retire_pool()
             forced = self.requested_strategy == self._strategy
             if forced and isinstance(exc, _StrategyUnavailable):
                 raise ValueError(f"strategy={self._strategy!r}: {exc}") from exc

@@ -142,6 +142,10 @@ class ShapeBucketPool:
         generators: extra ``torch.Generator``\\ s to register with every graph so
             their random streams advance per replay (the default generator always is).
         progress: show a tqdm bar in :meth:`capture_all`.
+        batched_outputs: one flag per output leaf saying whether it carries the batch.
+            Default: learnt with one extra eager run at another batch size (when there
+            are several buckets); pass it for a model whose state has a fixed batch size
+            (a KV cache), where that run would fail or write the state.
     """
 
     def __init__(
@@ -160,6 +164,7 @@ class ShapeBucketPool:
         capture_error_mode: str = "global",
         generators: Sequence[torch.Generator] = (),
         progress: bool = True,
+        batched_outputs: Sequence[bool] | None = None,
     ) -> None:
         if not callable(model_fn):
             raise TypeError(f"model_fn: expected a callable, got {type(model_fn).__name__}")
@@ -201,6 +206,7 @@ class ShapeBucketPool:
         self.capture_error_mode = capture_error_mode
         self.generators = tuple(generators)
         self.progress = progress
+        self.batched_outputs = None if batched_outputs is None else tuple(batched_outputs)
         # bucket lookup: _table[B] is the smallest bucket >= B
         self._table = [0] * (self.max_bucket + 1)
         j = 0
@@ -557,10 +563,20 @@ class ShapeBucketPool:
             bd, b = self.batch_dim, entry.size
             flags = tuple(isinstance(o, torch.Tensor) and o.dim() > bd and o.shape[bd] == b for o in out_leaves)
             probe_size = 1 if b != 1 else (2 if self.max_bucket >= 2 else 0)
-            if any(flags) and probe_size:
-                with torch.no_grad():
-                    a, k = self._bucket_args(probe_size, leaves)
-                    probe_leaves = pytree.tree_leaves(self.model_fn(*a, **k))
+            if self.batched_outputs is not None:
+                if len(self.batched_outputs) != len(out_leaves):
+                    raise ValueError(f"batched_outputs: expected {len(out_leaves)} flags (one per output leaf), "
+                                     f"got {len(self.batched_outputs)}")
+                flags = tuple(bool(f) for f in self.batched_outputs)
+            elif any(flags) and probe_size and len(self.buckets) > 1:
+                try:
+                    with torch.no_grad():
+                        a, k = self._bucket_args(probe_size, leaves)
+                        probe_leaves = pytree.tree_leaves(self.model_fn(*a, **k))
+                except Exception as exc:  # e.g. a model whose state has a fixed batch size
+                    logger.debug("gfxgraph: output probe at batch %d failed (%s); outputs with %d rows "
+                                 "are taken as batched", probe_size, exc, b)
+                    probe_leaves = []
                 if len(probe_leaves) == len(out_leaves):
                     flags = tuple(f and p.shape[bd] == probe_size for f, p in zip(flags, probe_leaves))
             self._out_flags[key] = flags
