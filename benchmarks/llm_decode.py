@@ -210,6 +210,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=128)
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile modes")
+    p.add_argument("--compile-batch", default="1,8,32", help="batch sizes that also run the compile modes")
     args = p.parse_args()
     results: dict[str, Any] = {}
     figures = []
@@ -218,7 +219,8 @@ def main() -> None:
         n_params = sum(x.numel() for x in model.parameters())
         results[name] = {"params": n_params}
         for b in (int(x) for x in args.batch.split(",")):
-            compile_modes = not args.no_compile and name == "llama-1.2b"
+            compile_modes = (not args.no_compile and name == "llama-1.2b"
+                             and str(b) in args.compile_batch.split(","))
             r = run_case(model, name, b, args.prompt, args.steps, compile_modes)
             results[name][f"bs{b}"] = r
             tag = f"{name} bs={b}"
