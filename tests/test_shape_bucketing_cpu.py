@@ -61,6 +61,10 @@ def test_bucket_selection_smallest_at_least_batch():
     ({"static_args": [1.5]}, TypeError, "static_args"),
     ({"vram_cap": 2.0}, ValueError, "vram_cap"),
     ({"capture_error_mode": "loose"}, ValueError, "capture_error_mode"),
+    ({"generators": [3]}, TypeError, "generators: expected torch.Generator"),
+    ({"generators": [torch.Generator()]}, ValueError, "generators: expected CUDA generators"),
+    ({"static_args": "bias"}, TypeError, "static_args: expected a collection"),
+    ({"copy_outputs": "no"}, TypeError, "copy_outputs: expected a bool"),
 ])
 def test_bad_options(kwargs, exc, msg):
     args = {"model_fn": lambda x: x, "buckets": [1, 2], **kwargs}

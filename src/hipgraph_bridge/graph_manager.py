@@ -434,6 +434,10 @@ class BridgedCUDAGraph(OriginalCUDAGraph):  # type: ignore[misc,valid-type]
     def register_generator_state(self, generator: Any) -> None:
         """Register a generator so its random stream advances per replay (same as PyTorch's)."""
         self._require_native("register_generator_state")
+        if not isinstance(generator, torch.Generator) or generator.device.type != "cuda":
+            # PyTorch's C++ side crashes (SIGSEGV) on a CPU generator: refuse it here
+            raise TypeError("register_generator_state: expected a CUDA torch.Generator "
+                            f"(torch.Generator(device='cuda')), got {generator!r}")
         super().register_generator_state(generator)
         self._generators = (*self._generators, generator)
 

@@ -186,6 +186,9 @@ class ShapeBucketPool:
         for gen in generators:
             if not isinstance(gen, torch.Generator):
                 raise TypeError(f"generators: expected torch.Generator objects, got {type(gen).__name__}")
+            if gen.device.type != "cuda":  # PyTorch crashes registering a CPU generator with a graph
+                raise ValueError(f"generators: expected CUDA generators (torch.Generator(device='cuda')), "
+                                 f"got one on {gen.device}")
         for s in static_args:
             if isinstance(s, bool) or not isinstance(s, (int, str)):
                 raise TypeError(f"static_args: expected argument positions (int) or names (str), got {s!r}")

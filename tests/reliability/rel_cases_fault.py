@@ -140,7 +140,8 @@ def _second_thread(f: Fault, mode: str) -> None:
         g.capture_begin(capture_error_mode=mode)
         try:
             y = f.x * 2
-            other = unsafe_calls_from_other_thread()
+            # thread_local/relaxed permit another thread's cudaMalloc; no mode permits a device sync
+            other = unsafe_calls_from_other_thread(device_sync=mode == "global")
             y = y + 1  # raises if the other thread's calls invalidated this capture
         except Exception as exc:  # noqa: BLE001
             region_error = exc
@@ -891,7 +892,7 @@ def _pool_second_thread(f: Fault, mode: str) -> None:
 
     def model(x: torch.Tensor) -> torch.Tensor:
         if _cap():
-            other.append(unsafe_calls_from_other_thread())
+            other.append(unsafe_calls_from_other_thread(device_sync=mode == "global"))
         return torch.relu(x) * 2
 
     pool = ShapeBucketPool(model, [4, 8], capture_error_mode=mode, progress=False)

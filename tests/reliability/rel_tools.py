@@ -110,11 +110,14 @@ def run_in_thread(fn: Callable[[], Any], timeout: float = 30.0) -> dict[str, Any
     return out
 
 
-def unsafe_calls_from_other_thread() -> dict[str, Any]:
-    """From another thread: a device-wide sync and a fresh allocation (unsafe during a global capture)."""
+def unsafe_calls_from_other_thread(*, device_sync: bool = True) -> dict[str, Any]:
+    """From another thread: a fresh allocation (cudaMalloc: unsafe during a global capture) and,
+    with ``device_sync``, a device-wide sync. A device sync waits on the capturing stream, which
+    CUDA refuses in every capture mode; the modes only decide about calls such as cudaMalloc."""
 
     def calls() -> bool:
-        torch.cuda.synchronize()
+        if device_sync:
+            torch.cuda.synchronize()
         t = torch.empty(48 << 20, dtype=torch.uint8, device="cuda")  # a new segment: cudaMalloc
         del t
         return True
