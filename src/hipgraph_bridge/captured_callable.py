@@ -23,7 +23,6 @@ What it will not do: accept an input whose shape differs from the example
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -34,10 +33,10 @@ from . import settings as _settings
 from . import stats as _stats
 from .capture_state import frozen_gc
 from .errors import GraphCaptureError
-from .log import log_once, logger
+from .log import logger
 from .platform import probe
 from .tree_utils import check_same_layout, clone_tree, copy_into, describe
-from .validation import outputs_match
+from .validation import checked_against_eager
 
 if TYPE_CHECKING:
     from .graph_manager import BridgedCUDAGraph
@@ -244,13 +243,7 @@ class StaticCaptureSession:
     def _validated(self, graph_out: Any, input_tensor: Any) -> Any:
         x = input_tensor if input_tensor is not None else self.static_input
         eager_out = self.model_fn(x)  # type: ignore[misc]
-        ok, why = outputs_match(graph_out, eager_out)
-        _stats.record_validation(ok)
-        if not ok:
-            log_once(("validation", id(self)), logging.WARNING, "gfxgraph: graph replay differs from eager (%s); "
-                     "returning the eager result", why)
-            return eager_out
-        return graph_out
+        return checked_against_eager(graph_out, eager_out, owner=self, what="graph")
 
     def close(self) -> None:
         self.static_input = None

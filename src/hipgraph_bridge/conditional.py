@@ -70,7 +70,7 @@ from .log import log_once, logger
 from .platform import probe
 from .runtime._base import NODE_EMPTY, NODE_KERNEL, NODE_MEMCPY, NODE_MEMSET
 from .tree_utils import check_same_layout, clone_tree, copy_into, describe
-from .validation import outputs_match
+from .validation import checked_against_eager
 
 __all__ = ["ConditionalGraph", "ConditionalSession", "ConditionalState", "Strategy", "STRATEGIES",
            "SelectorKind", "resolve_strategy"]
@@ -656,13 +656,7 @@ class ConditionalGraph:
     def _validated(self, graph_out: Any, idx: int) -> Any:
         with torch.no_grad():
             eager_out = self._branches[idx].fn(self._static_input)
-        ok, why = outputs_match(graph_out, eager_out)
-        _stats.record_validation(ok)
-        if not ok:
-            log_once(("validation", id(self)), logging.WARNING, "gfxgraph: conditional replay differs from "
-                     "eager (%s); returning the eager result", why)
-            return eager_out
-        return graph_out
+        return checked_against_eager(graph_out, eager_out, owner=self, what="conditional")
 
     # --------------------------------------------------------------- lifetime
     def close(self) -> None:

@@ -44,7 +44,6 @@ the padding. Validation mode catches it.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
@@ -58,11 +57,11 @@ from . import settings as _settings
 from . import stats as _stats
 from .capture_state import frozen_gc
 from .env import check_vram_cap, read_vram_cap
-from .log import log_once, logger
+from .log import logger
 from .memory import exceeds_vram_cap, graph_pool_bytes
 from .platform import probe
 from .tree_utils import describe
-from .validation import outputs_match
+from .validation import checked_against_eager
 from .weak_outputs import release_outputs
 
 __all__ = ["ShapeBucketPool", "default_buckets", "validate_buckets", "BucketPoolSession"]
@@ -431,15 +430,7 @@ class ShapeBucketPool:
 
     def _validated(self, graph_out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Validation mode: compare with eager (dtype-aware), count, return eager on mismatch."""
-        eager_out = self._eager(args, kwargs)
-        ok, why = outputs_match(graph_out, eager_out)
-        _stats.record_validation(ok)
-        if not ok:
-            log_once(("validation", id(self)), logging.WARNING,
-                     "gfxgraph: ShapeBucketPool replay differs from eager (%s); returning the eager result. "
-                     "A non-batched output that reduces over the batch (it sees the padding rows) does this.", why)
-            return eager_out
-        return graph_out
+        return checked_against_eager(graph_out, self._eager(args, kwargs), owner=self, what="ShapeBucketPool")
 
     def _padded_eager(self, entry: _Bucket, leaves: list[Any], batch: int) -> Any:
         """No GPU: the same padded pipeline as a replay, with the model run eagerly."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["Tolerance", "tolerance_for", "outputs_match"]
+__all__ = ["Tolerance", "tolerance_for", "outputs_match", "checked_against_eager"]
 
 
 @dataclass(frozen=True)
@@ -56,3 +56,20 @@ def outputs_match(graph_out: object, eager_out: object) -> tuple[bool, str]:
         elif g != e:
             return False, f"leaf {i}: graph {g!r} vs eager {e!r}"
     return True, ""
+
+
+def checked_against_eager(graph_out: object, eager_out: object, *, owner: object, what: str) -> object:
+    """Validation mode's rule: count the comparison; on a mismatch log it once per ``owner``
+    and return the eager result, else the graph's."""
+    import logging
+
+    from . import stats
+    from .log import log_once
+
+    ok, why = outputs_match(graph_out, eager_out)
+    stats.record_validation(ok)
+    if ok:
+        return graph_out
+    log_once(("validation", id(owner)), logging.WARNING,
+             "gfxgraph: %s replay differs from eager (%s); returning the eager result", what, why)
+    return eager_out
