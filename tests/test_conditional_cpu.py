@@ -21,8 +21,6 @@ import hipgraph_bridge
 from conftest import GPU_SKIP_REASON
 from gfxgraph import BridgedCUDAGraph
 from hipgraph_bridge import cond_nodes
-from hipgraph_bridge import conditional as conditional_mod
-from hipgraph_bridge import device_loop as loop_mod
 from hipgraph_bridge.conditional import ConditionalGraph, ConditionalState, resolve_strategy
 from hipgraph_bridge.device_loop import DeviceWhileLoop, LoopCondition, resolve_loop_strategy
 from hipgraph_bridge.errors import GraphRuntimeError
@@ -348,8 +346,7 @@ def _support(ok_while: bool, ok_branches: bool) -> cond_nodes.ConditionalSupport
 class TestStrategySelection:
     @pytest.fixture
     def on_cuda(self, monkeypatch):
-        monkeypatch.setattr(conditional_mod, "probe", _fake_cuda_platform)
-        monkeypatch.setattr(loop_mod, "probe", _fake_cuda_platform)
+        monkeypatch.setattr(cond_nodes, "probe", _fake_cuda_platform)  # the shared strategy rule
 
         def use(ok_while, ok_branches):
             monkeypatch.setattr(cond_nodes, "conditional_support", lambda: _support(ok_while, ok_branches))

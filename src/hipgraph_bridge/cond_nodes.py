@@ -349,6 +349,30 @@ class NativeConditional:
             logger.log(logging.DEBUG, "gfxgraph: ending a failed body capture raised: %s", exc)
 
 
+def choose_strategy(requested: str, strategies: tuple[str, ...], *, native_supported: Callable[[Any], bool],
+                    nodes: str, supported_nodes: str, fallback: str, fallback_what: str) -> tuple[str, str]:
+    """Shared strategy rule of ConditionalGraph and DeviceWhileLoop: (strategy, why).
+
+    No GPU: ``"eager"``. A non-native strategy asked for by name: that one. Otherwise
+    ``"native"`` when ``native_supported(conditional_support())``, else ``fallback``
+    (or RuntimeError when ``"native"`` was forced).
+    """
+    if requested not in strategies:
+        raise ValueError(f"strategy: expected one of {', '.join(strategies)}, got {requested!r}")
+    plat = probe()
+    if not plat.graphs_available:
+        return "eager", plat.reason or "no GPU"
+    if requested not in ("auto", "native"):
+        return requested, f"strategy={requested!r} was requested"
+    support = conditional_support()
+    if native_supported(support):
+        return "native", f"the driver and cuda-bindings support {supported_nodes}"
+    if requested == "native":
+        raise RuntimeError(f"strategy='native' needs CUDA {nodes}: {support.reason}; "
+                           f"use strategy='auto' to fall back to {fallback_what}")
+    return fallback, f"native {nodes} unavailable: {support.reason}"
+
+
 def _mark_outer_unsafe(outer_stream: int) -> None:
     """The outer graph now holds a node whose body capture failed: it must be leaked, not freed."""
     from .capture_state import capture_on_stream

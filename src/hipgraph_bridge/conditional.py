@@ -95,22 +95,12 @@ def resolve_strategy(requested: str) -> tuple[str, str]:
         ValueError: ``requested`` is not one of :data:`STRATEGIES`.
         RuntimeError: ``"native"`` was forced where conditional nodes are unsupported.
     """
-    if requested not in STRATEGIES:
-        raise ValueError(f"strategy: expected one of {', '.join(STRATEGIES)}, got {requested!r}")
-    plat = probe()
-    if not plat.graphs_available:
-        return "eager", plat.reason or "no GPU"
-    if requested in ("supergraph", "dispatch"):
-        return requested, f"strategy={requested!r} was requested"
-    from .cond_nodes import conditional_support
+    from .cond_nodes import choose_strategy
 
-    support = conditional_support()
-    if support.branches:
-        return "native", "the driver and cuda-bindings support IF/ELSE and SWITCH nodes"
-    if requested == "native":
-        raise RuntimeError(f"strategy='native' needs CUDA conditional nodes: {support.reason}; "
-                           "use strategy='auto' to fall back to per-branch dispatch")
-    return "dispatch", f"native conditional nodes unavailable: {support.reason}"
+    return choose_strategy(requested, STRATEGIES, native_supported=lambda s: s.branches,
+                           nodes="conditional nodes", supported_nodes="IF/ELSE and SWITCH nodes",
+                           fallback="dispatch",
+                           fallback_what="per-branch dispatch")
 
 
 def _layout(tree: Any) -> tuple[Any, tuple[Any, ...]]:

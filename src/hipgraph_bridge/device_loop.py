@@ -51,7 +51,6 @@ import torch
 from . import stats as _stats
 from .capture_state import frozen_gc
 from .log import logger
-from .platform import probe
 from .tree_utils import describe
 
 __all__ = ["DeviceWhileLoop", "LoopCondition", "LoopStrategy", "LOOP_STRATEGIES", "resolve_loop_strategy"]
@@ -102,22 +101,10 @@ def resolve_loop_strategy(requested: str) -> tuple[str, str]:
         ValueError: an unknown strategy.
         RuntimeError: ``"native"`` forced where WHILE nodes are unsupported.
     """
-    if requested not in LOOP_STRATEGIES:
-        raise ValueError(f"strategy: expected one of {', '.join(LOOP_STRATEGIES)}, got {requested!r}")
-    plat = probe()
-    if not plat.graphs_available:
-        return "eager", plat.reason or "no GPU"
-    if requested == "host":
-        return "host", "strategy='host' was requested"
-    from .cond_nodes import conditional_support
+    from .cond_nodes import choose_strategy
 
-    support = conditional_support()
-    if support.while_loop:
-        return "native", "the driver and cuda-bindings support WHILE nodes"
-    if requested == "native":
-        raise RuntimeError(f"strategy='native' needs CUDA WHILE nodes: {support.reason}; use "
-                           "strategy='auto' to fall back to the host-driven loop")
-    return "host", f"native WHILE nodes unavailable: {support.reason}"
+    return choose_strategy(requested, LOOP_STRATEGIES, native_supported=lambda s: s.while_loop,
+                           nodes="WHILE nodes", supported_nodes="WHILE nodes", fallback="host", fallback_what="the host-driven loop")
 
 
 class DeviceWhileLoop:

@@ -44,6 +44,7 @@ the padding. Validation mode catches it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
@@ -523,7 +524,7 @@ class ShapeBucketPool:
                         self.model_fn(*a, **k)
                 torch.cuda.current_stream().wait_stream(stream)
             torch.cuda.synchronize()
-            gc_ctx = frozen_gc() if freeze_gc else _nullcontext()
+            gc_ctx = frozen_gc() if freeze_gc else contextlib.nullcontext()
             with gc_ctx, torch.cuda.stream(stream):
                 g.capture_begin(pool=self._pool(), capture_error_mode=self.capture_error_mode)
                 try:
@@ -676,14 +677,6 @@ class ShapeBucketPool:
     def __repr__(self) -> str:
         return (f"ShapeBucketPool(buckets={self.buckets}, captured={self.captured_buckets}, "
                 f"failed={sorted(self.failed_buckets)})")
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _progress(items: list[int], enabled: bool) -> Iterable[int]:
