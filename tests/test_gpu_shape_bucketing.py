@@ -169,3 +169,44 @@ def test_released_outputs_stay_correct_in_random_order_and_save_memory():
     alone = ShapeBucketPool(mlp, [128], progress=False)
     alone.capture_all(torch.randn(4, 128, device="cuda"))
     assert pool.pool_bytes() <= 1.5 * alone.pool_bytes(), (pool.pool_bytes(), alone.pool_bytes())
+
+
+class _Stepper(torch.nn.Module):
+    """A model with state each run advances (as a KV cache's write position)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long, device="cuda"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps.add_(1)
+        return x * self.steps
+
+
+@pytest.mark.parametrize("warmup_iters,runs_first_call", [(1, 1), (0, 1), (3, 3)])
+def test_model_runs_once_per_call_its_first_included(warmup_iters, runs_first_call):
+    m = _Stepper()
+    pool = ShapeBucketPool(m, [4, 8], warmup_iters=warmup_iters, batched_outputs=(True,))
+    x = torch.ones(3, 2, device="cuda")
+    torch.testing.assert_close(pool(x), x * runs_first_call)  # the first call's own result
+    assert int(m.steps) == runs_first_call
+    for k in range(1, 6):
+        n = 3 if k % 2 else 6  # bucket 4 replays; bucket 8 captures on its first use
+        before = int(m.steps)
+        out = pool(torch.ones(n, 2, device="cuda"))
+        first_use = n == 6 and k == 2
+        after = before + (runs_first_call if first_use else 1)
+        assert int(m.steps) == after
+        torch.testing.assert_close(out, torch.full((n, 2), float(after), device="cuda"))
+
+
+def test_capture_all_runs_the_warmups_then_calls_run_once():
+    m = _Stepper()
+    pool = ShapeBucketPool(m, [2, 4], batched_outputs=(True,), progress=False)
+    pool.capture_all(torch.ones(2, 3, device="cuda"))
+    assert int(m.steps) == 2  # one warm-up per bucket: a model with state resets after capture_all
+    m.steps.zero_()
+    for k in range(1, 4):
+        out = pool(torch.ones(k, 3, device="cuda"))
+        torch.testing.assert_close(out, torch.full((k, 3), float(k), device="cuda"))
+    assert int(m.steps) == 3

@@ -18,7 +18,12 @@ Workflow of a call ``pool(*args, **kwargs)``:
 4. Copy each batched tensor into rows ``[0, B)`` of its static buffer
    (allocated once at the largest bucket; buckets use views of it), fill rows
    ``[B, b)`` with ``pad_value``, copy static tensors into theirs.
-5. Replay the bucket's graph, capturing it first if this is its first use.
+5. Replay the bucket's graph. On a bucket's first use, warm up and capture
+   it instead: the last warm-up run *is* this call's run (its result is
+   returned and the new graph is not replayed), so with the default
+   ``warmup_iters=1`` every call runs the model exactly once. Models with
+   state that each run advances (a KV cache's write position, a step
+   counter) therefore advance once per call, as in eager mode.
 6. Return the outputs sliced back to ``B`` rows, copied (``copy_outputs=True``,
    the default) so the next call cannot overwrite them.
 
@@ -31,6 +36,12 @@ static outputs of every bucket, which is why outputs are copied by default.
 Calls must therefore not overlap on different CUDA streams. Model calls (capture, warm-up,
 eager fallback) run under ``torch.no_grad()``: this is for inference; use
 ``torch.cuda.make_graphed_callables`` for training.
+
+Ahead-of-time capture (:meth:`capture_all`) runs the model ``warmup_iters``
+times per bucket on the example arguments, so a model with state must reset it
+afterwards (``StaticCache.reset()`` and a new prefill, for example); so does
+the one extra run at a second batch size that learns which outputs carry the
+batch, unless ``batched_outputs`` is given.
 
 Calls are serialised by a lock (static buffers admit one call at a time), and a
 call from another CUDA stream than the previous one first waits for it. In
@@ -118,6 +129,7 @@ class _Bucket:
     reason: str = ""  # fallback reason key when this bucket runs eagerly ("vram_cap", ...)
     failed: str | None = None  # the explanation when this bucket runs eagerly
     slices: dict[int, list[Any]] = field(default_factory=dict)  # B -> sliced static outputs
+    first_run: list[Any] | None = None  # output leaves of the last warm-up, until the first call returns them
 
 
 class ShapeBucketPool:
@@ -135,7 +147,9 @@ class ShapeBucketPool:
             graph's static outputs: fastest, but overwritten by the next call.
         oversize: ``"eager"`` (default) runs a batch above the largest bucket
             eagerly, counted and logged once; ``"error"`` raises ``ValueError``.
-        warmup_iters: eager runs on the capture stream before each capture.
+        warmup_iters: eager runs on the capture stream before each capture; on a
+            bucket's first call the last one is that call's run (default 1: the
+            model runs once per call). 0 captures without warm-up, then replays.
         vram_cap: fraction of device memory; a capture that would pass it runs
             eagerly instead (reason ``vram_cap``). Default: ``GFXGRAPH_VRAM_CAP`` or 0.90.
         capture_error_mode: passed to ``capture_begin``.
@@ -227,6 +241,9 @@ class ShapeBucketPool:
         self._retired_pools: list[Any] = []  # pools of earlier graphs, after a capture failure
         self._stream: torch.cuda.Stream | None = None
         self._last_stream: torch.cuda.Stream | None = None  # stream of the previous call
+        self._last_raw_stream = 0  # its handle: comparing handles is much cheaper than Stream objects
+        self._plain: list[tuple[str, Any]] | None = None  # fixed layout of one-leaf positional arguments
+        self._has_consts = False
         self._largest_growth = 0
         self._out_flags: dict[tuple[Hashable, ...], tuple[bool, ...]] = {}
         self.capture_seconds = 0.0
@@ -284,6 +301,44 @@ class ShapeBucketPool:
         spec = (len(args), tuple(kwargs), tuple(specs))
         return flat, _Layout(spec, tuple(kinds), tuple(metas), tuple(where)), batch
 
+    def _quick_leaves(self, args: tuple[Any, ...]) -> tuple[list[Any], int] | None:
+        """The hot path's flattening, for a fixed layout of plain positional arguments.
+
+        Checks each argument against the layout without building one; None
+        sends the call down :meth:`_classify`, which also words the errors.
+        """
+        plan = self._plain
+        if plan is None or len(args) != len(plan):
+            return None
+        bd = self.batch_dim
+        batch = -1
+        for a, (kind, meta) in zip(args, plan):
+            if kind == "const":
+                if isinstance(a, torch.Tensor):
+                    return None
+                try:
+                    hash(a)
+                except TypeError:
+                    return None
+                continue
+            if not isinstance(a, torch.Tensor) or a.dtype != meta[0] or a.device != meta[1]:
+                return None
+            shape = a.shape
+            if kind == "static":
+                if shape != meta[2]:
+                    return None
+                continue
+            if len(shape) <= bd:
+                return None
+            n = shape[bd]
+            if batch < 0:
+                batch = n
+            elif n != batch:
+                return None
+            if shape[:bd] + shape[bd + 1:] != meta[2]:
+                return None
+        return (list(args), batch) if batch >= 1 else None
+
     def _check_layout(self, layout: _Layout) -> None:
         fixed = self._layout
         assert fixed is not None
@@ -339,6 +394,10 @@ class ShapeBucketPool:
                 bufs.append(None)
         self._layout = layout
         self._buffers = bufs
+        self._has_consts = "const" in layout.kinds
+        nargs, kw_names, specs = layout.spec
+        if not kw_names and all(spec.is_leaf() for spec in specs):  # one leaf per argument
+            self._plain = list(zip(layout.kinds, layout.tensor_meta))
 
     def _io_plan(self, batch: int) -> list[tuple[Any, Any, Any]]:
         """Views used to copy a batch of ``batch`` rows in and pad it (cached per batch size)."""
@@ -388,9 +447,15 @@ class ShapeBucketPool:
         one dict lookup. Raises ``TypeError``/``ValueError`` for arguments that
         do not fit the pool (naming what was expected).
         """
-        leaves, layout, batch = self._classify(args, kwargs)
+        quick = self._quick_leaves(args) if not kwargs else None
+        if quick is not None:
+            leaves, batch = quick
+        else:
+            leaves, layout, batch = self._classify(args, kwargs)
         with self._lock:
-            if self._layout is None:
+            if quick is not None:
+                pass  # matched the fixed layout
+            elif self._layout is None:
                 self._fix_layout(leaves, layout)
             elif layout != self._layout:
                 self._check_layout(layout)
@@ -401,13 +466,19 @@ class ShapeBucketPool:
                 _stats.record_fallback("oversize", f"batch {batch} > largest bucket {self.max_bucket}")
                 return self._eager(args, kwargs)
             bucket = self._table[batch]
-            key = (bucket, tuple(leaf for leaf, k in zip(leaves, layout.kinds) if k == "const"))
+            key = (bucket, tuple(leaf for leaf, k in zip(leaves, self._layout.kinds) if k == "const")
+                   if self._has_consts else ())
             entry = self._entries.get(key)
             if self._graphs_available:
                 self._order_after_previous_call()
             if entry is None:
                 self._stage_inputs(leaves, batch)
                 entry = self._capture(bucket, key, leaves)
+                first, entry.first_run = entry.first_run, None
+                if first is not None:  # the warm-up was this call's run: do not run the model twice
+                    out = self._first_outputs(entry, first, batch)
+                    if out is not None:
+                        return self._validated(out, args, kwargs) if _settings.current().validate else out
             elif entry.failed is None:
                 self._stage_inputs(leaves, batch)
             if entry.failed is not None:
@@ -423,11 +494,15 @@ class ShapeBucketPool:
 
     def _order_after_previous_call(self) -> None:
         """Calls from different streams must not overlap on the static buffers and shared pool."""
+        raw = _current_raw_stream()
+        if raw is not None and raw == self._last_raw_stream:
+            return  # the common case: the same stream as the previous call
         stream = torch.cuda.current_stream()
         last = self._last_stream
         if last is not None and last != stream:
             stream.wait_stream(last)
         self._last_stream = stream
+        self._last_raw_stream = raw or 0
 
     def _validated(self, graph_out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Validation mode: compare with eager (dtype-aware), count, return eager on mismatch."""
@@ -453,6 +528,46 @@ class ShapeBucketPool:
         if self.copy_outputs:
             sliced = [o.clone() if isinstance(o, torch.Tensor) else o for o in sliced]
         return pytree.tree_unflatten(sliced, entry.out_spec)
+
+    def _first_outputs(self, entry: _Bucket, first: list[Any], batch: int) -> Any:
+        """A bucket's first call returns its last warm-up run, as a replay would return it.
+
+        None when the warm-up's outputs differ in shape, dtype or value (for
+        non-tensors) from what the graph captured: the model is not the same
+        from run to run, so the call replays the graph like the later ones.
+        With ``copy_outputs=False`` the result is copied into the graph's static
+        outputs, so the returned views are the ones later calls overwrite.
+        The warm-up ran on the capture stream; the caller's stream already waits
+        for it, and ``record_stream`` keeps the allocator from reusing these
+        tensors' memory on that stream while the caller's stream still reads them.
+        """
+        current = torch.cuda.current_stream()
+        for t in first:
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                t.record_stream(current)
+        static = entry.outputs
+        if static is None:  # captured, then dropped to keep the VRAM cap: the warm-up is all there is
+            return self._outputs(entry, first, batch, cache=False)
+        if len(first) != len(static):
+            return None
+        for a, b in zip(first, static):
+            if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
+                return None
+            if isinstance(a, torch.Tensor):
+                if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+                    return None
+            else:
+                try:
+                    if a != b:
+                        return None
+                except Exception:  # a value without a plain comparison
+                    return None
+        if self.copy_outputs:
+            return self._outputs(entry, first, batch, cache=False)
+        for dst, src in zip(static, first):
+            if isinstance(dst, torch.Tensor):
+                dst.copy_(src)
+        return self._outputs(entry, static, batch)
 
     def _eager(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         with torch.no_grad():
@@ -482,7 +597,7 @@ class ShapeBucketPool:
         t0 = time.perf_counter()
         reserved_before = torch.cuda.memory_reserved()
         try:
-            out = self._warm_up_and_capture(entry, stream, a, k, freeze_gc)
+            out, warm = self._warm_up_and_capture(entry, stream, a, k, freeze_gc)
         except Exception as exc:
             entry.reason = "capture_failed"
             entry.failed = f"bucket {bucket}: {type(exc).__name__}: {exc}"
@@ -497,6 +612,9 @@ class ShapeBucketPool:
         self._record_output_layout(entry, out, key[1], leaves)
         entry.outputs = release_outputs(pytree.tree_leaves(out))
         del out
+        if warm is not None and pytree.tree_structure(warm) == entry.out_spec:
+            entry.first_run = pytree.tree_leaves(warm)
+        del warm
         growth = torch.cuda.memory_reserved() - reserved_before
         self._largest_growth = max(self._largest_growth, growth)
         over, why = exceeds_vram_cap(0, self.vram_cap)
@@ -510,18 +628,21 @@ class ShapeBucketPool:
         return entry
 
     def _warm_up_and_capture(self, entry: _Bucket, stream: torch.cuda.Stream, a: tuple[Any, ...],
-                             k: dict[str, Any], freeze_gc: bool) -> Any:
+                             k: dict[str, Any], freeze_gc: bool) -> tuple[Any, Any]:
+        """Warm up, capture; returns (captured outputs, the last warm-up's outputs or None)."""
         from .graph_manager import BridgedCUDAGraph
 
         g = BridgedCUDAGraph()
         for gen in self.generators:
             g.register_generator_state(gen)
+        warm = None
         with torch.no_grad():
             if self.warmup_iters:
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
                     for _ in range(self.warmup_iters):
-                        self.model_fn(*a, **k)
+                        warm = None  # free the previous run's outputs before the next
+                        warm = self.model_fn(*a, **k)
                 torch.cuda.current_stream().wait_stream(stream)
             torch.cuda.synchronize()
             gc_ctx = frozen_gc() if freeze_gc else contextlib.nullcontext()
@@ -535,7 +656,7 @@ class ShapeBucketPool:
                 g.capture_end()
             torch.cuda.current_stream().wait_stream(stream)
         entry.graph = g
-        return out
+        return out, warm
 
     def _retire_pool(self) -> None:
         # PyTorch's allocator may keep recording to the pool of a capture that
@@ -609,7 +730,7 @@ class ShapeBucketPool:
             bar = _progress(todo, self.progress and len(todo) > 1)
             with frozen_gc():
                 for b in bar:
-                    self._capture(b, (b, consts), leaves, freeze_gc=False)
+                    self._capture(b, (b, consts), leaves, freeze_gc=False).first_run = None
             seconds = time.perf_counter() - t0
             report = {
                 "buckets": len(todo),
@@ -671,12 +792,22 @@ class ShapeBucketPool:
             self._io_cache.clear()
             self._buffers = []
             self._layout = None
+            self._plain = None
+            self._last_stream, self._last_raw_stream = None, 0
             self._largest_growth = 0
             self._out_flags.clear()
 
     def __repr__(self) -> str:
         return (f"ShapeBucketPool(buckets={self.buckets}, captured={self.captured_buckets}, "
                 f"failed={sorted(self.failed_buckets)})")
+
+
+def _current_raw_stream() -> int | None:
+    """The current stream's handle on the current device (None where torch does not expose it)."""
+    try:
+        return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+    except AttributeError:
+        return None
 
 
 def _progress(items: list[int], enabled: bool) -> Iterable[int]:
