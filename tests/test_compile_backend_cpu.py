@@ -352,6 +352,42 @@ def test_input_mutation_is_not_graphed():
     assert ("ungraphed", "input_mutation") in _states()
 
 
+class Counter(torch.nn.Module):
+    """Writes state it reads in place (a step counter, as a KV cache's write position): graphable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        torch._dynamo.mark_static_address(self.steps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps.add_(1)
+        return x * 2 + self.steps
+
+
+def test_state_writes_are_graphed_and_run_once_per_call():
+    m = Counter()
+    c = torch.compile(m, backend="gfxgraph", options={**FAST, "buckets": [4, 8]})
+    with torch.no_grad():
+        for k in range(1, 7):
+            x = torch.randn(4, 3)
+            torch.testing.assert_close(c(x), x * 2 + k)  # the first call included: one run per call
+            assert int(m.steps) == k
+    assert any(s.state is SubgraphState.GRAPHED for s in compiled_subgraphs()), _states()
+
+
+def test_state_writes_are_not_padded():
+    m = Counter()
+    c = torch.compile(m, backend="gfxgraph", options={**FAST, "buckets": [4, 8]})
+    gfxgraph.reset_stats()
+    with torch.no_grad():
+        for k, n in enumerate((4, 5, 8, 3, 2), start=1):
+            x = torch.randn(n, 3)
+            torch.testing.assert_close(c(x), x * 2 + k)
+            assert int(m.steps) == k
+    assert gfxgraph.stats()["fallback_reasons"].get("padded_state_write", 0) >= 1
+
+
 @pytest.mark.parametrize("fn,reason", [
     (lambda x: x * x.shape[0], "batch_value"),  # the batch size as a value: padding would change it
     (lambda x: x[x.shape[0] - 1] + x, "batch_value"),  # the last row moves with padding

@@ -248,3 +248,33 @@ def test_static_frame_compiles_and_graphs_on_its_second_call():
     (only,) = subgraphs()
     assert only.state is SubgraphState.GRAPHED and only.captured_buckets == [1]
     assert gfxgraph.stats()["fallback_reasons"].get("static_shape_warmup") == 1
+
+
+class _Counter(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long, device="cuda"))
+        torch._dynamo.mark_static_address(self.steps)
+        self.lin = torch.nn.Linear(8, 8, device="cuda")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps.add_(1)
+        return self.lin(x) * self.steps
+
+
+def test_state_written_in_place_is_graphed_and_advances_once_per_call():
+    m = _Counter()
+    c = torch.compile(m, backend="gfxgraph", options={"buckets": [4, 16]})
+    gfxgraph.reset_stats()
+    with torch.no_grad():
+        for k, n in enumerate([4, 16, 4, 16, 16, 4, 4, 16], start=1):
+            x = torch.randn(n, 8, device="cuda")
+            want = m.lin(x) * k
+            torch.testing.assert_close(c(x), want, atol=1e-4, rtol=1e-4)
+            assert int(m.steps) == k
+        x = torch.randn(5, 8, device="cuda")  # not a bucket: padding rows would write the state
+        torch.testing.assert_close(c(x), m.lin(x) * 9, atol=1e-4, rtol=1e-4)
+        assert int(m.steps) == 9
+    graphed = [s for s in subgraphs() if s.state is SubgraphState.GRAPHED]
+    assert graphed and sum(s.graph_count() for s in graphed) >= 2, subgraphs()
+    assert gfxgraph.stats()["fallback_reasons"].get("padded_state_write", 0) >= 1

@@ -36,7 +36,9 @@ Workflow, per subgraph (:class:`CompiledSubgraph`):
    and an input requiring grad; backward works, ungraphed), an input the graph
    mutates, the batch size used as a value (``x * x.shape[0]``) or appearing
    other than as one output dimension, rows that depend on each other (the
-   first padded call is compared with an unpadded run), CPU tensors when a GPU
+   first padded call is compared with an unpadded run), a padded call of a
+   subgraph that writes to its parameters or buffers (padding rows could
+   write to that state; a batch size that is a bucket is graphed), CPU tensors when a GPU
    is present, non-contiguous batched inputs, more than ``max_variants``
    shape/constant variants. Without a GPU the pool runs its padded pipeline
    eagerly, so the whole path is exercised on CPU. ``gfxgraph.enable(validate=True)``
@@ -53,7 +55,10 @@ one inductor compilation, plus one for each specialised frame called again.
 What it will not do: prove that rows are independent (a dependence that the
 first padded call does not show slips through: use validate mode when in
 doubt); share one graph memory pool between subgraphs (each has its own);
-keep input mutations in graphs (it refuses to graph them instead); call one
+keep writes to copied inputs in graphs (it refuses to graph them instead;
+writes to parameters, buffers and ``mark_static_address`` tensors, such as a
+static KV cache, are kept: the graph writes them in place, and each call runs
+the subgraph exactly once, its first call included); call one
 subgraph from several threads at once (calls are serialised by a lock).
 """
 
@@ -345,6 +350,7 @@ class CompiledSubgraph:
         self._level = logging.WARNING
         self._variants: dict[tuple[Any, ...], _Variant] = {}
         self._lazy_calls = 0
+        self._writes_state = False  # the graph writes to ref inputs (set at compile)
         p = self.plan
         # tensors dynamo tied to the batch, then those that merely equal it (checked per call)
         self._batched_idx = p.indices("batched") + [i for i in p.indices("batch_like")
@@ -394,6 +400,9 @@ class CompiledSubgraph:
         # wrapper copies the flag from the boxed function it wraps but takes *args itself.)
         self._fn = fn
         self._gm = None
+        # writes to in-place inputs (a KV cache, a step counter) are fine in a graph, but the
+        # subgraph must then run exactly once per call: no unpadded re-run to check padding
+        self._writes_state = bool(mutated)
         why = self._why_ungraphed(mutated, failure)
         if why is None:
             self.state = SubgraphState.GRAPHED
@@ -414,10 +423,12 @@ class CompiledSubgraph:
                     "or requires_grad_(False), for graphs", logging.INFO)
         if p.unsupported is not None:
             return (*p.unsupported, logging.WARNING)
-        if mutated:
-            names = ", ".join(p.slots[i].name for i in sorted(mutated))
-            return ("input_mutation", f"the graph writes to its input(s) {names}; a graph would write to "
-                    "its static copies (and warm-up runs would repeat the writes)", logging.WARNING)
+        copied = sorted(i for i in mutated if p.slots[i].kind != "ref")
+        if copied:
+            names = ", ".join(p.slots[i].name for i in copied)
+            return ("input_mutation", f"the graph writes to its input(s) {names}, which a graph reads from "
+                    "static copies, so the writes would not reach them (parameters, buffers and "
+                    "mark_static_address tensors, read in place, may be written)", logging.WARNING)
         if probe().graphs_available and p.devices != {"cuda"}:
             return ("cpu_inputs", f"inputs on {', '.join(sorted(p.devices))}: graphs need every tensor "
                     "input on the GPU", logging.INFO)
@@ -479,6 +490,12 @@ class CompiledSubgraph:
                                                "constant variants of one subgraph")
                         return self._fn(*args)
                     return _UNGRAPHED
+            if self._writes_state and not self._exact_bucket(v, args):
+                _stats.record_fallback("padded_state_write", "a subgraph that writes to its parameters or "
+                                       "buffers runs without graphs at batch sizes that are not a bucket: "
+                                       "padding rows could write to that state (pass options={'buckets': "
+                                       "[...]} with the sizes you run)")
+                return self._fn(*args)
             for i, buf in v.owned:
                 buf.copy_(args[i])
             out = v.pool(*[args[i] for i in self._batched_idx])
@@ -502,6 +519,13 @@ class CompiledSubgraph:
         bucket = v.pool.bucket_for(batch)
         padded = bucket is not None and bucket > batch
         validate = _settings.current().validate
+        if self._writes_state:  # a second run would advance the state twice
+            v.padding_checked = True
+            if validate:
+                log_once(("gfxgraph-backend-novalidate", id(self)), logging.INFO,
+                         "gfxgraph backend: a subgraph that writes to its parameters or buffers is not "
+                         "validated (comparing would run it twice)")
+            return out
         if not padded and not validate:
             return out
         unpadded = self._fn(*args)
@@ -517,6 +541,10 @@ class CompiledSubgraph:
                               logging.WARNING)
                 return unpadded
         return unpadded if validate else out
+
+    def _exact_bucket(self, v: _Variant, args: tuple[Any, ...]) -> bool:
+        batch = args[self._first].shape[self.opts.batch_dim]
+        return v.pool.bucket_for(batch) == batch
 
     def _follows_batch(self, args: tuple[Any, ...]) -> bool:
         """Whether every batch_like input equals the batch size in this call (so padding it is sound)."""
