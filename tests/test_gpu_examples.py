@@ -24,9 +24,6 @@ def test_serving_runner_with_gfxgraph_env():
     assert "graph class: BridgedCUDAGraph" in r.stdout and "fallbacks=0" in r.stdout
 
 
-@pytest.mark.xfail(strict=True, reason="measured on the H200 (transformers 5.17): the captured HF decode step "
-                   "gives other logits than eager decode, for a hand-written torch.cuda.graph as much as for "
-                   "gfxgraph; root cause not found yet (see issue 7 note)")
 def test_hf_static_cache_generation():
     pytest.importorskip("transformers")
     r = _run([str(REPO / "examples" / "hf_static_cache_generate.py")])
