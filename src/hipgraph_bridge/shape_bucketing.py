@@ -575,7 +575,7 @@ class ShapeBucketPool:
 
     # --------------------------------------------------------------- capture
     def _capture(self, bucket: int, key: tuple[int, tuple[Hashable, ...]], leaves: list[Any],
-                 *, freeze_gc: bool = True) -> _Bucket:
+                 *, freeze_gc: bool = True, keep_first: bool = True) -> _Bucket:
         """Capture ``bucket`` for ``key``; the entry is stored only once its outcome is known.
 
         A ``KeyboardInterrupt`` (or any ``BaseException``) during warm-up or capture
@@ -597,7 +597,7 @@ class ShapeBucketPool:
         t0 = time.perf_counter()
         reserved_before = torch.cuda.memory_reserved()
         try:
-            out, warm = self._warm_up_and_capture(entry, stream, a, k, freeze_gc)
+            out, warm = self._warm_up_and_capture(entry, stream, a, k, freeze_gc, keep_first)
         except Exception as exc:
             entry.reason = "capture_failed"
             entry.failed = f"bucket {bucket}: {type(exc).__name__}: {exc}"
@@ -628,8 +628,8 @@ class ShapeBucketPool:
         return entry
 
     def _warm_up_and_capture(self, entry: _Bucket, stream: torch.cuda.Stream, a: tuple[Any, ...],
-                             k: dict[str, Any], freeze_gc: bool) -> tuple[Any, Any]:
-        """Warm up, capture; returns (captured outputs, the last warm-up's outputs or None)."""
+                             k: dict[str, Any], freeze_gc: bool, keep_first: bool) -> tuple[Any, Any]:
+        """Warm up, capture; returns (captured outputs, the last warm-up's outputs when ``keep_first``)."""
         from .graph_manager import BridgedCUDAGraph
 
         g = BridgedCUDAGraph()
@@ -643,6 +643,8 @@ class ShapeBucketPool:
                     for _ in range(self.warmup_iters):
                         warm = None  # free the previous run's outputs before the next
                         warm = self.model_fn(*a, **k)
+                    if not keep_first:
+                        warm = None  # ahead-of-time capture: nobody returns it
                 torch.cuda.current_stream().wait_stream(stream)
             torch.cuda.synchronize()
             gc_ctx = frozen_gc() if freeze_gc else contextlib.nullcontext()
@@ -730,7 +732,7 @@ class ShapeBucketPool:
             bar = _progress(todo, self.progress and len(todo) > 1)
             with frozen_gc():
                 for b in bar:
-                    self._capture(b, (b, consts), leaves, freeze_gc=False).first_run = None
+                    self._capture(b, (b, consts), leaves, freeze_gc=False, keep_first=False)
             seconds = time.perf_counter() - t0
             report = {
                 "buckets": len(todo),
