@@ -453,6 +453,9 @@ class ShapeBucketPool:
         else:
             leaves, layout, batch = self._classify(args, kwargs)
         with self._lock:
+            if quick is not None and self._layout is None:  # closed by another thread meanwhile
+                quick = None
+                leaves, layout, batch = self._classify(args, kwargs)
             if quick is not None:
                 pass  # matched the fixed layout
             elif self._layout is None:
@@ -794,7 +797,7 @@ class ShapeBucketPool:
             self._io_cache.clear()
             self._buffers = []
             self._layout = None
-            self._plain = None
+            self._plain, self._has_consts = None, False
             self._last_stream, self._last_raw_stream = None, 0
             self._largest_growth = 0
             self._out_flags.clear()
