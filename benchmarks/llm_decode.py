@@ -1,8 +1,8 @@
 """Greedy decode of a Llama-architecture model (random bf16 weights, static KV cache).
 
 Hugging Face transformers builds the model from a config (nothing is downloaded): a
-~1.2B-parameter config (hidden 2048, 16 layers, GQA 32/8 heads, vocab 128256) and a small
-one. For each batch size the decode step
+Llama-3.2-1B-shaped config (hidden 2048, 16 layers, GQA 32/8 heads, vocab 128256: 1.24B
+parameters with tied embeddings, 1.50B as built here, untied) and a small one. For each batch size the decode step
 
     step(input_ids (B,1), position_ids (B,1), cache_position (1,)) -> (logits (B,V), next (B,))
 
