@@ -210,3 +210,20 @@ def test_capture_all_runs_the_warmups_then_calls_run_once():
         out = pool(torch.ones(k, 3, device="cuda"))
         torch.testing.assert_close(out, torch.full((k, 3), float(k), device="cuda"))
     assert int(m.steps) == 3
+
+
+def test_a_capture_that_fails_after_warm_up_returns_the_warm_up_run():
+    class Refuses(_Stepper):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = super().forward(x)
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("not capturable")
+            return out
+
+    m = Refuses()
+    pool = ShapeBucketPool(m, [4], batched_outputs=(True,))
+    x = torch.ones(4, 2, device="cuda")
+    torch.testing.assert_close(pool(x), x)  # the warm-up's result, not a second (eager) run
+    assert int(m.steps) == 1 and pool.failed_buckets
+    torch.testing.assert_close(pool(x), x * 2)  # later calls run eagerly, once each
+    assert int(m.steps) == 2

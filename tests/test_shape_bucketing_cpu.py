@@ -209,3 +209,39 @@ def test_seed_high_level_dynamic_shapes_path():
         g.replay(input_tensor=torch.randn(3, 5), batch_size=4)
     with pytest.raises(TypeError, match="needs model_fn"):
         BridgedCUDAGraph().capture(dynamic_shapes=True)
+
+
+def test_fast_path_sends_other_constant_kinds_to_the_full_checks():
+    pool = ShapeBucketPool(lambda x, k: x * k, [4])
+    x = torch.ones(2, 3)
+    pool(x, 2)
+    with pytest.raises(ValueError, match="structure"):
+        pool(x, (torch.ones(2),))  # a container where an int was: the layout differs
+    torch.testing.assert_close(pool(x, 3), x * 3)  # another int: another key, same layout
+
+
+def test_a_call_from_another_stream_waits_for_the_default_stream(monkeypatch):
+    """The default stream's handle is 0: the first call on it must still be remembered."""
+    from hipgraph_bridge import shape_bucketing as sb
+
+    class FakeStream:
+        def __init__(self, handle: int) -> None:
+            self.handle, self.waited = handle, []
+
+        def wait_stream(self, other: "FakeStream") -> None:
+            self.waited.append(other.handle)
+
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, FakeStream) and other.handle == self.handle
+
+    default, side = FakeStream(0), FakeStream(7)
+    current = {"s": default}
+    monkeypatch.setattr(sb, "_current_raw_stream", lambda: current["s"].handle)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: current["s"])
+    pool = ShapeBucketPool(lambda x: x, [4])
+    pool._order_after_previous_call()
+    pool._order_after_previous_call()
+    current["s"] = side
+    pool._order_after_previous_call()
+    assert side.waited == [0]
+    assert default.waited == []

@@ -23,7 +23,12 @@ Workflow of a call ``pool(*args, **kwargs)``:
    returned and the new graph is not replayed), so with the default
    ``warmup_iters=1`` every call runs the model exactly once. Models with
    state that each run advances (a KV cache's write position, a step
-   counter) therefore advance once per call, as in eager mode.
+   counter) therefore advance once per call, as in eager mode. A capture
+   that fails after the warm-up returns the warm-up's result when the batch
+   filled the bucket (else the call runs eagerly). Exceptions, where a first
+   call runs the model more than once: ``warmup_iters > 1``; outputs that
+   differ between the warm-up and the capture; and the one probe run at a
+   second batch size when ``batched_outputs`` is not given (see below).
 6. Return the outputs sliced back to ``B`` rows, copied (``copy_outputs=True``,
    the default) so the next call cannot overwrite them.
 
@@ -130,6 +135,7 @@ class _Bucket:
     failed: str | None = None  # the explanation when this bucket runs eagerly
     slices: dict[int, list[Any]] = field(default_factory=dict)  # B -> sliced static outputs
     first_run: list[Any] | None = None  # output leaves of the last warm-up, until the first call returns them
+    warm_out: Any = None  # the last warm-up's output pytree, while capturing (and after a failed capture)
 
 
 class ShapeBucketPool:
@@ -241,7 +247,9 @@ class ShapeBucketPool:
         self._retired_pools: list[Any] = []  # pools of earlier graphs, after a capture failure
         self._stream: torch.cuda.Stream | None = None
         self._last_stream: torch.cuda.Stream | None = None  # stream of the previous call
-        self._last_raw_stream = 0  # its handle: comparing handles is much cheaper than Stream objects
+        # its handle: comparing handles is much cheaper than Stream objects. None until a first call
+        # (the default stream's handle is 0, so 0 cannot mean "no call yet")
+        self._last_raw_stream: int | None = None
         self._plain: list[tuple[str, Any]] | None = None  # fixed layout of one-leaf positional arguments
         self._has_consts = False
         self._largest_growth = 0
@@ -301,20 +309,20 @@ class ShapeBucketPool:
         spec = (len(args), tuple(kwargs), tuple(specs))
         return flat, _Layout(spec, tuple(kinds), tuple(metas), tuple(where)), batch
 
-    def _quick_leaves(self, args: tuple[Any, ...]) -> tuple[list[Any], int] | None:
+    def _quick_leaves(self, args: tuple[Any, ...], plan: list[tuple[str, Any]] | None
+                      ) -> tuple[list[Any], int] | None:
         """The hot path's flattening, for a fixed layout of plain positional arguments.
 
         Checks each argument against the layout without building one; None
         sends the call down :meth:`_classify`, which also words the errors.
         """
-        plan = self._plain
         if plan is None or len(args) != len(plan):
             return None
         bd = self.batch_dim
         batch = -1
         for a, (kind, meta) in zip(args, plan):
             if kind == "const":
-                if isinstance(a, torch.Tensor):
+                if type(a) is not meta:  # the exact type: a tuple, None or a tensor takes the full path
                     return None
                 try:
                     hash(a)
@@ -397,7 +405,8 @@ class ShapeBucketPool:
         self._has_consts = "const" in layout.kinds
         nargs, kw_names, specs = layout.spec
         if not kw_names and all(spec.is_leaf() for spec in specs):  # one leaf per argument
-            self._plain = list(zip(layout.kinds, layout.tensor_meta))
+            self._plain = [(k, type(leaf) if k == "const" else m)
+                           for k, m, leaf in zip(layout.kinds, layout.tensor_meta, leaves)]
 
     def _io_plan(self, batch: int) -> list[tuple[Any, Any, Any]]:
         """Views used to copy a batch of ``batch`` rows in and pad it (cached per batch size)."""
@@ -447,13 +456,14 @@ class ShapeBucketPool:
         one dict lookup. Raises ``TypeError``/``ValueError`` for arguments that
         do not fit the pool (naming what was expected).
         """
-        quick = self._quick_leaves(args) if not kwargs else None
+        plan = self._plain
+        quick = self._quick_leaves(args, plan) if not kwargs else None
         if quick is not None:
             leaves, batch = quick
         else:
             leaves, layout, batch = self._classify(args, kwargs)
         with self._lock:
-            if quick is not None and self._layout is None:  # closed by another thread meanwhile
+            if quick is not None and self._plain is not plan:  # closed (or re-laid-out) meanwhile
                 quick = None
                 leaves, layout, batch = self._classify(args, kwargs)
             if quick is not None:
@@ -478,10 +488,21 @@ class ShapeBucketPool:
                 self._stage_inputs(leaves, batch)
                 entry = self._capture(bucket, key, leaves)
                 first, entry.first_run = entry.first_run, None
+                warm, entry.warm_out = entry.warm_out, None
                 if first is not None:  # the warm-up was this call's run: do not run the model twice
                     out = self._first_outputs(entry, first, batch)
                     if out is not None:
                         return self._validated(out, args, kwargs) if _settings.current().validate else out
+                    logger.debug("gfxgraph: bucket %d: the warm-up's outputs differ from the captured ones; "
+                                 "this call replays the graph (the model ran twice)", bucket)
+                elif warm is not None and entry.failed is not None and bucket == batch:
+                    # the capture failed after a good warm-up of exactly this batch: that run is the result
+                    _stats.record_fallback(entry.reason, entry.failed)
+                    _record_on_current_stream(pytree.tree_leaves(warm))
+                    if self.copy_outputs:  # it may alias the static input buffers
+                        warm = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, warm)
+                    return warm
+                del warm
             elif entry.failed is None:
                 self._stage_inputs(leaves, batch)
             if entry.failed is not None:
@@ -498,14 +519,14 @@ class ShapeBucketPool:
     def _order_after_previous_call(self) -> None:
         """Calls from different streams must not overlap on the static buffers and shared pool."""
         raw = _current_raw_stream()
-        if raw is not None and raw == self._last_raw_stream:
+        if raw is not None and raw == self._last_raw_stream and self._last_stream is not None:
             return  # the common case: the same stream as the previous call
         stream = torch.cuda.current_stream()
         last = self._last_stream
         if last is not None and last != stream:
             stream.wait_stream(last)
         self._last_stream = stream
-        self._last_raw_stream = raw or 0
+        self._last_raw_stream = raw
 
     def _validated(self, graph_out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Validation mode: compare with eager (dtype-aware), count, return eager on mismatch."""
@@ -544,10 +565,7 @@ class ShapeBucketPool:
         for it, and ``record_stream`` keeps the allocator from reusing these
         tensors' memory on that stream while the caller's stream still reads them.
         """
-        current = torch.cuda.current_stream()
-        for t in first:
-            if isinstance(t, torch.Tensor) and t.is_cuda:
-                t.record_stream(current)
+        _record_on_current_stream(first)
         static = entry.outputs
         if static is None:  # captured, then dropped to keep the VRAM cap: the warm-up is all there is
             return self._outputs(entry, first, batch, cache=False)
@@ -600,7 +618,7 @@ class ShapeBucketPool:
         t0 = time.perf_counter()
         reserved_before = torch.cuda.memory_reserved()
         try:
-            out, warm = self._warm_up_and_capture(entry, stream, a, k, freeze_gc, keep_first)
+            out = self._warm_up_and_capture(entry, stream, a, k, freeze_gc, keep_first)
         except Exception as exc:
             entry.reason = "capture_failed"
             entry.failed = f"bucket {bucket}: {type(exc).__name__}: {exc}"
@@ -615,6 +633,7 @@ class ShapeBucketPool:
         self._record_output_layout(entry, out, key[1], leaves)
         entry.outputs = release_outputs(pytree.tree_leaves(out))
         del out
+        warm, entry.warm_out = entry.warm_out, None
         if warm is not None and pytree.tree_structure(warm) == entry.out_spec:
             entry.first_run = pytree.tree_leaves(warm)
         del warm
@@ -631,8 +650,13 @@ class ShapeBucketPool:
         return entry
 
     def _warm_up_and_capture(self, entry: _Bucket, stream: torch.cuda.Stream, a: tuple[Any, ...],
-                             k: dict[str, Any], freeze_gc: bool, keep_first: bool) -> tuple[Any, Any]:
-        """Warm up, capture; returns (captured outputs, the last warm-up's outputs when ``keep_first``)."""
+                             k: dict[str, Any], freeze_gc: bool, keep_first: bool) -> Any:
+        """Warm up, capture; returns the captured outputs.
+
+        With ``keep_first`` the last warm-up's outputs are left in ``entry.warm_out``
+        (before the capture starts, so a failed capture still has them); they stay
+        alive during the capture, so its memory figures include them.
+        """
         from .graph_manager import BridgedCUDAGraph
 
         g = BridgedCUDAGraph()
@@ -649,6 +673,8 @@ class ShapeBucketPool:
                     if not keep_first:
                         warm = None  # ahead-of-time capture: nobody returns it
                 torch.cuda.current_stream().wait_stream(stream)
+            entry.warm_out = warm
+            del warm
             torch.cuda.synchronize()
             gc_ctx = frozen_gc() if freeze_gc else contextlib.nullcontext()
             with gc_ctx, torch.cuda.stream(stream):
@@ -661,7 +687,7 @@ class ShapeBucketPool:
                 g.capture_end()
             torch.cuda.current_stream().wait_stream(stream)
         entry.graph = g
-        return out, warm
+        return out
 
     def _retire_pool(self) -> None:
         # PyTorch's allocator may keep recording to the pool of a capture that
@@ -798,13 +824,22 @@ class ShapeBucketPool:
             self._buffers = []
             self._layout = None
             self._plain, self._has_consts = None, False
-            self._last_stream, self._last_raw_stream = None, 0
+            self._last_stream, self._last_raw_stream = None, None
             self._largest_growth = 0
             self._out_flags.clear()
 
     def __repr__(self) -> str:
         return (f"ShapeBucketPool(buckets={self.buckets}, captured={self.captured_buckets}, "
                 f"failed={sorted(self.failed_buckets)})")
+
+
+def _record_on_current_stream(leaves: list[Any]) -> None:
+    """Tensors made on the capture stream, now read on the caller's: keep the allocator from
+    reusing their memory on the capture stream before the caller's stream is done with them."""
+    current = torch.cuda.current_stream()
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            t.record_stream(current)
 
 
 def _current_raw_stream() -> int | None:
