@@ -386,6 +386,13 @@ def test_state_writes_are_not_padded():
             torch.testing.assert_close(c(x), x * 2 + k)
             assert int(m.steps) == k
     assert gfxgraph.stats()["fallback_reasons"].get("padded_state_write", 0) >= 1
+    gfxgraph.reset_stats()
+    with torch.no_grad():
+        x = torch.randn(9, 3)  # above every bucket: runs unpadded, counted as oversize
+        torch.testing.assert_close(c(x), x * 2 + 6)
+        assert int(m.steps) == 6
+    reasons = gfxgraph.stats()["fallback_reasons"]
+    assert reasons.get("oversize", 0) >= 1 and not reasons.get("padded_state_write"), reasons
 
 
 @pytest.mark.parametrize("fn,reason", [
@@ -473,3 +480,22 @@ def test_backend_stats_and_reset():
     cb.reset_backend()
     assert all(not sub._variants for sub in compiled_subgraphs())
     assert gfxgraph_backend.reset is cb.reset_backend  # torch._dynamo.reset() releases the graphs
+
+
+def test_pool_of_a_state_writing_subgraph_never_reruns_it_to_validate():
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        return x + 1
+
+    x = torch.ones(2, 3)
+    quiet = cb._BackendPool(fn, [4], batched_outputs=(True,), validate=False)
+    assert quiet._validated(x + 1, (x,), {}) is not None and calls == []
+    gfxgraph.enable(validate=True)
+    try:
+        checked = cb._BackendPool(fn, [4], batched_outputs=(True,))
+        torch.testing.assert_close(checked._validated(x + 1, (x,), {}), x + 1)
+        assert calls == [1]  # the default pool compares with a run of its own
+    finally:
+        gfxgraph.disable()

@@ -278,3 +278,17 @@ def test_state_written_in_place_is_graphed_and_advances_once_per_call():
     graphed = [s for s in subgraphs() if s.state is SubgraphState.GRAPHED]
     assert graphed and sum(s.graph_count() for s in graphed) >= 2, subgraphs()
     assert gfxgraph.stats()["fallback_reasons"].get("padded_state_write", 0) >= 1
+
+
+def test_validate_mode_does_not_run_a_state_writing_subgraph_twice():
+    m = _Counter()
+    c = torch.compile(m, backend="gfxgraph", options={"buckets": [4]})
+    gfxgraph.enable(validate=True)
+    try:
+        with torch.no_grad():
+            for k in range(1, 6):
+                x = torch.randn(4, 8, device="cuda")
+                torch.testing.assert_close(c(x), m.lin(x) * k, atol=1e-4, rtol=1e-4)
+                assert int(m.steps) == k
+    finally:
+        gfxgraph.disable()

@@ -57,8 +57,9 @@ first padded call does not show slips through: use validate mode when in
 doubt); share one graph memory pool between subgraphs (each has its own);
 keep writes to copied inputs in graphs (it refuses to graph them instead;
 writes to parameters, buffers and ``mark_static_address`` tensors, such as a
-static KV cache, are kept: the graph writes them in place, and each call runs
-the subgraph exactly once, its first call included); call one
+static KV cache, are kept: the graph writes them in place, and with the
+default ``warmup_iters=1`` each call runs the subgraph exactly once, its first
+call included, validate mode skipping the comparison); call one
 subgraph from several threads at once (calls are serialised by a lock).
 """
 
@@ -306,9 +307,13 @@ class _BackendPool(ShapeBucketPool):
     """
 
     def __init__(self, model_fn: Callable[..., Any], buckets: Sequence[int], *,
-                 batched_outputs: tuple[bool, ...], **kwargs: Any) -> None:
+                 batched_outputs: tuple[bool, ...], validate: bool = True, **kwargs: Any) -> None:
         super().__init__(model_fn, buckets, **kwargs)
         self._top_flags = batched_outputs
+        self._validate = validate  # False for a subgraph that writes state: an eager re-run would advance it
+
+    def _validated(self, graph_out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return super()._validated(graph_out, args, kwargs) if self._validate else graph_out
 
     def _record_output_layout(self, entry: Any, outputs: Any, key: Any, leaves: list[Any]) -> None:
         tops = outputs if isinstance(outputs, (list, tuple)) else (outputs,)
@@ -543,8 +548,10 @@ class CompiledSubgraph:
         return unpadded if validate else out
 
     def _exact_bucket(self, v: _Variant, args: tuple[Any, ...]) -> bool:
+        """No padding for this call (a batch above every bucket counts: the pool runs it unpadded)."""
         batch = args[self._first].shape[self.opts.batch_dim]
-        return v.pool.bucket_for(batch) == batch
+        bucket = v.pool.bucket_for(batch)
+        return bucket is None or bucket == batch
 
     def _follows_batch(self, args: tuple[Any, ...]) -> bool:
         """Whether every batch_like input equals the batch size in this call (so padding it is sound)."""
@@ -596,6 +603,7 @@ class CompiledSubgraph:
             template[i] = None
         o = self.opts
         pool = _BackendPool(self._runner(template), self.buckets, batched_outputs=self.plan.batched_outputs,
+                            validate=not self._writes_state,
                             batch_dim=o.batch_dim, pad_value=o.pad_value, copy_outputs=o.copy_outputs,
                             oversize="eager", warmup_iters=o.warmup_iters, vram_cap=o.vram_cap, progress=False)
         v = self._variants[key] = _Variant(pool, owned)
