@@ -466,12 +466,11 @@ class ShapeBucketPool:
             if quick is not None and self._plain is not plan:  # closed (or re-laid-out) meanwhile
                 quick = None
                 leaves, layout, batch = self._classify(args, kwargs)
-            if quick is not None:
-                pass  # matched the fixed layout
-            elif self._layout is None:
-                self._fix_layout(leaves, layout)
-            elif layout != self._layout:
-                self._check_layout(layout)
+            if quick is None:  # a quick match already fits the fixed layout
+                if self._layout is None:
+                    self._fix_layout(leaves, layout)
+                elif layout != self._layout:
+                    self._check_layout(layout)
             if batch > self.max_bucket:
                 if self.oversize == "error":
                     raise ValueError(f"batch size {batch} is above the largest bucket {self.max_bucket}; "
