@@ -69,7 +69,7 @@ def child(name: str, passes: int) -> dict[str, Any]:
     elif name == "gfxgraph":
         import importlib
 
-        from hipgraph_bridge.compile_backend import register
+        from hipgraph_bridge.compile import register
 
         importlib.import_module("torch._dynamo")
         register()  # the entry point finds it when installed; this covers a PYTHONPATH checkout
@@ -85,7 +85,7 @@ def child(name: str, passes: int) -> dict[str, Any]:
         out["total_s"] = run_stream(fn, stream)
         out["first_pass_wall_s"] = time.perf_counter() - t0
         if name == "gfxgraph":
-            from hipgraph_bridge.compile_backend import backend_stats
+            from hipgraph_bridge.compile import backend_stats
 
             out["compile_s_first_pass"] = backend_stats()["compile_seconds"]
         out["settle_pass_s"] = run_stream(fn, stream)
@@ -99,7 +99,7 @@ def child(name: str, passes: int) -> dict[str, Any]:
     out["graphs"] = _graphs_alive()
     out["dynamo_frames"] = int(counters["stats"]["unique_graphs"])
     if name == "gfxgraph":
-        from hipgraph_bridge.compile_backend import backend_stats, compiled_subgraphs
+        from hipgraph_bridge.compile import backend_stats, compiled_subgraphs
 
         out["backend"] = backend_stats()
         out["subgraphs"] = [repr(s) for s in compiled_subgraphs()]

@@ -28,10 +28,11 @@ from collections.abc import Callable
 import torch
 
 from _common import figure, parser, write
-from hipgraph_bridge.cond_nodes import BodyPool, NativeConditional, conditional_support, side_stream
+from hipgraph_bridge.conditional.native_nodes import BodyPool, NativeConditional, side_stream
+from hipgraph_bridge.conditional.support import conditional_support
 from hipgraph_bridge.conditional import ConditionalGraph
-from hipgraph_bridge.device_loop import DeviceWhileLoop, LoopCondition
-from hipgraph_bridge.nvrtc_kernels import setter_kernels
+from hipgraph_bridge.conditional.loop import DeviceWhileLoop, LoopCondition
+from hipgraph_bridge.conditional.kernels import setter_kernels
 
 ITERS, N = 64, 4096
 IF_ROWS, IF_WIDTH, IF_LAYERS = 128, 4096, 8

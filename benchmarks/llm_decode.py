@@ -214,7 +214,7 @@ def run_case(model: Any, name: str, b: int, prompt_len: int, steps: int, compile
             r["setup_s"] = setup_s
             r["graph_bytes"] = graph_bytes
             if label.startswith("backend_gfxgraph"):  # graphed, or why not: the figures mean nothing without it
-                from hipgraph_bridge.compile_backend import compiled_subgraphs
+                from hipgraph_bridge.compile import compiled_subgraphs
 
                 r["subgraphs"] = [repr(s) for s in compiled_subgraphs()]
             res[label] = r

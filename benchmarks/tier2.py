@@ -23,8 +23,8 @@ import torch
 
 from _common import figure, median, parser, write
 from hipgraph_bridge import OriginalCUDAGraph
-from hipgraph_bridge.compositor import GraphCompositor
-from hipgraph_bridge.launch_pipeline import LaunchPipeline
+from hipgraph_bridge.compose.compositor import GraphCompositor
+from hipgraph_bridge.compose.pipeline import LaunchPipeline
 from hipgraph_bridge.runtime import Graph, current_runtime, get_runtime
 
 N = 1 << 20  # elements per tensor (4 MiB fp32)

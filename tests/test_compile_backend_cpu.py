@@ -17,9 +17,10 @@ import torch
 import torch._dynamo
 
 import gfxgraph
+from hipgraph_bridge import ShapeBucketPool
 from conftest import GPU_SKIP_REASON
-from hipgraph_bridge import compile_backend as cb
-from hipgraph_bridge.compile_backend import (
+from hipgraph_bridge import compile as cb
+from hipgraph_bridge.compile import (
     BACKEND_NAMES,
     BackendOptions,
     SubgraphState,
@@ -27,7 +28,7 @@ from hipgraph_bridge.compile_backend import (
     gfxgraph_backend,
     register,
 )
-from hipgraph_bridge.env import ConfigError
+from hipgraph_bridge.errors import ConfigError
 
 register()  # also when the tests run from a checkout that is not installed (no entry points)
 cpu_only = pytest.mark.skipif(GPU_SKIP_REASON is None, reason="exercises the no-GPU pipeline")
@@ -96,7 +97,7 @@ def test_found_by_both_names_without_importing_anything(py):
                 for n in (3, 5, 9):
                     x = torch.randn(n, 4)
                     torch.testing.assert_close(c(x), m(x))
-        from hipgraph_bridge.compile_backend import gfxgraph_backend
+        from hipgraph_bridge.compile import gfxgraph_backend
         from torch._dynamo.backends.registry import lookup_backend
         assert lookup_backend("gfxgraph") is lookup_backend("hipgraph_bridge") is gfxgraph_backend
         assert "gfxgraph" not in sys.modules  # the public package was never needed
@@ -110,7 +111,7 @@ def test_register_never_imports_dynamo(py):
     r = py("""
         import sys
         import gfxgraph
-        from hipgraph_bridge.compile_backend import register
+        from hipgraph_bridge.compile import register
         assert register() is False
         gfxgraph.enable()
         assert "torch._dynamo" not in sys.modules, "register()/enable() imported torch._dynamo"
@@ -165,7 +166,7 @@ def test_unknown_option_through_torch_compile():
     ({"batch_dim": -1}, "options\\['batch_dim'\\]: expected an int >= 0"),
     ({"max_batch_size": 0}, "options\\['max_batch_size'\\]: expected an int >= 1"),
     ({"vram_cap": 1.5}, "options\\['vram_cap'\\]: expected a fraction"),
-    ({"copy_outputs": "yes"}, "options\\['copy_outputs'\\]: expected True or False"),
+    ({"copy_outputs": "yes"}, "options\\['copy_outputs'\\]: expected a bool"),
     ({"pad_value": "x"}, "options\\['pad_value'\\]: expected a number or None"),
     ({"compiler": "tvm"}, "options\\['compiler'\\]: expected one of inductor, aot_eager, eager"),
     ({"inductor_config": {"triton.cudagraphs": True}}, "inductor's CUDA graphs stay off"),
@@ -445,7 +446,9 @@ def test_replaced_parameters_are_followed():
 
 
 def test_no_cxx_compiler_falls_back_to_the_traced_graph(monkeypatch):
-    monkeypatch.setattr(cb, "_cpu_compiler_problem", lambda: "InvalidCxxCompiler: no g++")
+    from hipgraph_bridge.compile import compiler
+
+    monkeypatch.setattr(compiler, "cpp_compiler_problem", lambda: "InvalidCxxCompiler: no g++")
     _run(MLP().eval(), [3, 5], options={"compiler": "inductor"})
     assert {s.compiler for s in compiled_subgraphs() if s.compiler} == {"eager"}
 
@@ -490,11 +493,11 @@ def test_pool_of_a_state_writing_subgraph_never_reruns_it_to_validate():
         return x + 1
 
     x = torch.ones(2, 3)
-    quiet = cb._BackendPool(fn, [4], batched_outputs=(True,), validate=False)
-    assert quiet._validated(x + 1, (x,), {}) is not None and calls == []
     gfxgraph.enable(validate=True)
     try:
-        checked = cb._BackendPool(fn, [4], batched_outputs=(True,))
+        quiet = ShapeBucketPool(fn, [4], batched_outputs=(True,), stateful=True)
+        assert quiet._validated(x + 1, (x,), {}) is not None and calls == []  # never re-run to validate
+        checked = ShapeBucketPool(fn, [4], batched_outputs=(True,))
         torch.testing.assert_close(checked._validated(x + 1, (x,), {}), x + 1)
         assert calls == [1]  # the default pool compares with a run of its own
     finally:

@@ -13,8 +13,8 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import gfxgraph
-from hipgraph_bridge import compile_backend as cb
-from hipgraph_bridge.compile_backend import SubgraphState, backend_stats
+from hipgraph_bridge import compile as cb
+from hipgraph_bridge.compile import SubgraphState, backend_stats
 
 pytestmark = pytest.mark.gpu
 cb.register()  # also when the tests run from a checkout that is not installed (no entry points)

@@ -20,16 +20,16 @@ import gfxgraph
 import hipgraph_bridge
 from conftest import GPU_SKIP_REASON
 from gfxgraph import BridgedCUDAGraph
-from hipgraph_bridge import cond_nodes
-from hipgraph_bridge.conditional import ConditionalGraph, ConditionalState, resolve_strategy
-from hipgraph_bridge.device_loop import DeviceWhileLoop, LoopCondition, resolve_loop_strategy
+from hipgraph_bridge.conditional import native_nodes, support as cond_nodes
+from hipgraph_bridge.conditional.graph import ConditionalGraph, ConditionalState, resolve_strategy
+from hipgraph_bridge.conditional.loop import DeviceWhileLoop, LoopCondition, resolve_loop_strategy
 from hipgraph_bridge.errors import GraphRuntimeError
-from hipgraph_bridge.ops import conditional_select
+from hipgraph_bridge.conditional.ops import conditional_select
 from hipgraph_bridge.platform import Platform
-from hipgraph_bridge.runtime._base import COND_SWITCH, HIP_NO_CONDITIONAL, CaptureInfo, RuntimeCaps
+from hipgraph_bridge.runtime import COND_SWITCH, HIP_NO_CONDITIONAL, CaptureInfo, RuntimeCaps
 
 cpu_only = pytest.mark.skipif(GPU_SKIP_REASON is None, reason="CPU-only fallback behaviour")
-SYMBOLS_FILE = Path(hipgraph_bridge.__file__).with_name("hip_api_symbols.txt")
+SYMBOLS_FILE = Path(hipgraph_bridge.__file__).parent / "runtime" / "hip_api_symbols.txt"
 
 
 def double(x):
@@ -390,26 +390,21 @@ class _FakeBindingRuntime:
         self.capabilities = RuntimeCaps(runtime, driver, True, True, True, False, "")
         self._missing = missing
 
-        class _Enums:
-            class cudaGraphConditionalNodeType:  # noqa: N801 - mirrors the binding's name
-                cudaGraphCondTypeSwitch = 2
-
-        self._rt = _Enums
-
     def conditional_nodes_reason(self):
         return self._missing
+
+    def binds_switch_nodes(self):
+        return True
 
 
 class TestSupportProbe:
     @pytest.fixture
     def fake(self, monkeypatch):
-        from hipgraph_bridge import nvrtc_kernels, runtime
-
         monkeypatch.setattr(cond_nodes, "probe", _fake_cuda_platform)
-        monkeypatch.setattr(nvrtc_kernels, "nvrtc_unavailable_reason", lambda: None)
+        monkeypatch.setattr(cond_nodes, "nvrtc_unavailable_reason", lambda: None)
 
         def use(driver, rt_version, missing=None):
-            monkeypatch.setattr(runtime, "get_runtime",
+            monkeypatch.setattr(cond_nodes, "get_runtime",
                                 lambda kind=None: _FakeBindingRuntime(driver, rt_version, missing))
         return use
 
@@ -426,12 +421,10 @@ class TestSupportProbe:
         assert not s.while_loop and "WHILE needs >= 12.4" in s.reason
 
     def test_missing_binding_pieces_and_nvrtc_are_reasons(self, fake, monkeypatch):
-        from hipgraph_bridge import nvrtc_kernels
-
         fake(13000, 13000, missing="cuda-bindings 12.2 lacks cudaStreamBeginCaptureToGraph")
         assert "lacks cudaStreamBeginCaptureToGraph" in cond_nodes._probe_support().reason
         fake(13000, 13000)
-        monkeypatch.setattr(nvrtc_kernels, "nvrtc_unavailable_reason", lambda: "libnvrtc not found")
+        monkeypatch.setattr(cond_nodes, "nvrtc_unavailable_reason", lambda: "libnvrtc not found")
         s = cond_nodes._probe_support()
         assert not s.while_loop and "need NVRTC: libnvrtc not found" in s.reason
 
@@ -449,7 +442,7 @@ class TestSupportProbe:
 
 # ---------------------------------------------------------------- NVRTC source
 def _nvrtc_or_skip():
-    from hipgraph_bridge.nvrtc_kernels import nvrtc_unavailable_reason
+    from hipgraph_bridge.conditional.kernels import nvrtc_unavailable_reason
 
     why = nvrtc_unavailable_reason()
     if why:
@@ -458,7 +451,7 @@ def _nvrtc_or_skip():
 
 class TestNvrtcKernels:
     def test_dtype_kinds(self):
-        from hipgraph_bridge.nvrtc_kernels import dtype_kind
+        from hipgraph_bridge.conditional.kernels import dtype_kind
 
         assert dtype_kind(torch.bool) == 0 and dtype_kind(torch.int64) == 4 and dtype_kind(torch.float64) == 6
         with pytest.raises(TypeError, match="got torch.bfloat16"):
@@ -466,7 +459,7 @@ class TestNvrtcKernels:
 
     def test_setter_source_compiles_to_ptx_and_cubin(self):
         _nvrtc_or_skip()
-        from hipgraph_bridge.nvrtc_kernels import KERNEL_SOURCE, compile_source
+        from hipgraph_bridge.conditional.kernels import KERNEL_SOURCE, compile_source
 
         images = dict(compile_source(KERNEL_SOURCE, 90))
         ptx = images["ptx compute_90"]
@@ -478,14 +471,14 @@ class TestNvrtcKernels:
 
     def test_unknown_arch_falls_back_to_newest_virtual_arch(self):
         _nvrtc_or_skip()
-        from hipgraph_bridge.nvrtc_kernels import KERNEL_SOURCE, compile_source
+        from hipgraph_bridge.conditional.kernels import KERNEL_SOURCE, compile_source
 
         labels = [label for label, _ in compile_source(KERNEL_SOURCE, 999)]
         assert len(labels) == 1 and labels[0].startswith("ptx compute_")
 
     def test_compile_error_carries_the_log(self):
         _nvrtc_or_skip()
-        from hipgraph_bridge.nvrtc_kernels import compile_source
+        from hipgraph_bridge.conditional.kernels import compile_source
 
         with pytest.raises(GraphRuntimeError, match="(?s)nvrtcCompileProgram.*not_declared_here"):
             compile_source('extern "C" __global__ void k() { not_declared_here(); }', 90)
@@ -670,6 +663,6 @@ class TestRuntimeAdditions:
 
 def test_scalar_checks_of_native_nodes_name_the_expectation():
     with pytest.raises(TypeError, match="pred: expected a one-element CUDA tensor, got int"):
-        cond_nodes._check_scalar("pred", 1, (torch.bool,), 0)
+        native_nodes._check_scalar("pred", 1, (torch.bool,), 0)
     with pytest.raises(ValueError, match="index: expected a one-element torch.int64 tensor on cuda:0, got shape"):
-        cond_nodes._check_scalar("index", torch.zeros(2, dtype=torch.int64), (torch.int64,), 0)
+        native_nodes._check_scalar("index", torch.zeros(2, dtype=torch.int64), (torch.int64,), 0)

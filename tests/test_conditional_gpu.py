@@ -15,11 +15,12 @@ import pytest
 import torch
 
 import gfxgraph
-from gfxgraph import BridgedCUDAGraph
-from hipgraph_bridge.cond_nodes import BodyPool, NativeConditional, conditional_support, side_stream
+from gfxgraph import BridgedCUDAGraph, GraphState
+from hipgraph_bridge.conditional.native_nodes import BodyPool, NativeConditional, side_stream
+from hipgraph_bridge.conditional.support import conditional_support
 from hipgraph_bridge.conditional import ConditionalGraph
-from hipgraph_bridge.device_loop import DeviceWhileLoop, LoopCondition
-from hipgraph_bridge.ops import conditional_select
+from hipgraph_bridge.conditional.loop import DeviceWhileLoop, LoopCondition
+from hipgraph_bridge.conditional.ops import conditional_select
 
 pytestmark = pytest.mark.gpu
 
@@ -199,10 +200,10 @@ def test_native_body_memory_is_not_handed_to_other_tensors(weights):
     x = torch.randn(64, W, device="cuda")
     cg = build(fns, "native")
     cg.capture(x, selectors=("index",))
-    dg = cg._device_graphs["index"]
-    assert dg.pool.routes
+    body_pool = cg._device_graphs["index"].body_pool
+    assert body_pool.routes
     pool_segments = [s for s in torch.cuda.memory_snapshot()
-                     if tuple(s.get("segment_pool_id", (0, 0))) == tuple(dg.pool._pool.id)]
+                     if tuple(s.get("segment_pool_id", (0, 0))) == tuple(body_pool.pool_id)]
     assert pool_segments, "the bodies' intermediates did not go to the body pool"
     canaries = [torch.full((64, W), 7.0, device="cuda") for _ in range(64)]
     for choice in (0, 2, 0, 1):
@@ -250,13 +251,9 @@ def test_native_body_that_raises_is_discarded_cleanly(weights):
         raise ZeroDivisionError("inside a body")
 
     g = BridgedCUDAGraph()
-    with pytest.raises(ZeroDivisionError), torch.cuda.stream(stream):
-        g.capture_begin()
-        try:
-            native.switch(sel, [lambda: outputs.copy_(x), bad])
-        except BaseException as exc:
-            g._discard(f"test: {exc}", capture_ended=False)
-            raise
+    with pytest.raises(ZeroDivisionError), g.capturing(stream=stream):
+        native.switch(sel, [lambda: outputs.copy_(x), bad])
+    assert g.state is GraphState.FAILED and "ZeroDivisionError" in g.failure_reason
     assert not torch.cuda.is_current_stream_capturing()
     with torch.cuda.stream(body_stream):
         assert not torch.cuda.is_current_stream_capturing()

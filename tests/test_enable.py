@@ -50,11 +50,11 @@ def test_enable_flags_are_validated_and_updated():
     with pytest.raises(TypeError, match="bools"):
         gfxgraph.enable(debug="yes")  # type: ignore[arg-type]
     gfxgraph.enable(validate=True)
-    from hipgraph_bridge import settings
+    from hipgraph_bridge import config
 
-    assert settings.current().validate
+    assert config.switches.validate
     gfxgraph.enable()
-    assert not settings.current().validate
+    assert not config.switches.validate
     assert gfxgraph.stats()["enabled_at"] is not None
     gfxgraph.disable()
     assert gfxgraph.stats()["enabled_at"] is None
@@ -115,8 +115,8 @@ def test_importing_hipgraph_bridge_patches_nothing(py):
 def test_gfxgraph_env_auto_enables_at_import(py, value, enabled, flag):
     r = py("""
         import gfxgraph, torch
-        from hipgraph_bridge import settings
-        s = settings.current()
+        from hipgraph_bridge import config
+        s = config.switches
         print(gfxgraph.is_enabled(), torch.cuda.CUDAGraph.__name__, s.debug, s.validate)
     """, env={"GFXGRAPH": value})
     assert r.returncode == 0, r.stderr

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from hipgraph_bridge.env import (
+from hipgraph_bridge.config import (
     DEFAULT_VRAM_CAP,
     ConfigError,
     check_vram_cap,

@@ -67,7 +67,7 @@ def test_pool_decode_matches_eager(model):
 def test_backend_decode_matches_eager(model):
     import torch._dynamo
 
-    from hipgraph_bridge import compile_backend as cb
+    from hipgraph_bridge import compile as cb
 
     cb.register()
     torch._dynamo.reset()

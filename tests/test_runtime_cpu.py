@@ -15,18 +15,13 @@ import pytest
 import torch
 
 import hipgraph_bridge
-from hipgraph_bridge.env import ConfigError
+from hipgraph_bridge.errors import ConfigError
 from hipgraph_bridge.errors import GraphRuntimeError, GraphsUnavailableError
 from hipgraph_bridge.runtime import Runtime, _select, get_runtime, reset_runtime_cache
-from hipgraph_bridge.runtime._ctypes import (
-    LIBRARY_STEMS,
-    CtypesRuntime,
-    _loaded_libraries,
-    bound_symbols,
-    find_runtime_library,
-)
+from hipgraph_bridge.runtime._ctypes import CtypesRuntime, bound_symbols
+from hipgraph_bridge.runtime._library import LIBRARY_STEMS, _loaded_libraries, find_runtime_library
 
-SYMBOLS_FILE = Path(hipgraph_bridge.__file__).with_name("hip_api_symbols.txt")
+SYMBOLS_FILE = Path(hipgraph_bridge.__file__).parent / "runtime" / "hip_api_symbols.txt"
 
 
 @pytest.fixture(autouse=True)
@@ -86,7 +81,7 @@ class TestSelection:
             made.append(("ctypes", api, lib))
             return _Marker("ctypes", api, lib)
 
-        monkeypatch.setattr(_select, "_cuda_bindings", cuda_bindings)
+        monkeypatch.setattr(_select, "CudaBindingsRuntime", cuda_bindings)
         monkeypatch.setattr(_select, "_ctypes", ctypes_)
         return made
 
@@ -112,7 +107,7 @@ class TestSelection:
         def missing():
             raise ImportError("no module named cuda.bindings")
 
-        monkeypatch.setattr(_select, "_cuda_bindings", missing)
+        monkeypatch.setattr(_select, "CudaBindingsRuntime", missing)
         from hipgraph_bridge.log import forget_logged
 
         forget_logged()
@@ -132,7 +127,7 @@ class TestSelection:
         def no_lib(api, lib):
             raise GraphsUnavailableError("could not find the CUDA runtime library")
 
-        monkeypatch.setattr(_select, "_cuda_bindings", missing)
+        monkeypatch.setattr(_select, "CudaBindingsRuntime", missing)
         monkeypatch.setattr(_select, "_ctypes", no_lib)
         with pytest.raises(GraphsUnavailableError, match=r"pip install 'gfxgraph\[cuda\]'"):
             get_runtime()
@@ -308,7 +303,7 @@ class TestRuntimeLib:
         assert find_runtime_library("hip", explicit="/x/libamdhip64.so") == "/x/libamdhip64.so"
 
     def test_discovery_failure_names_the_variable(self, monkeypatch):
-        from hipgraph_bridge.runtime import _ctypes as mod
+        from hipgraph_bridge.runtime import _library as mod
 
         monkeypatch.setattr(mod, "_loaded_libraries", lambda stem: [])
         monkeypatch.setattr(mod, "_SONAMES", {"hip": ("libamdhip64.so.999",)})
@@ -441,7 +436,7 @@ class TestHipFlavour:
 
 
 def test_discovery_prefers_the_copy_matching_torchs_runtime(monkeypatch):
-    from hipgraph_bridge.runtime import _ctypes as mod
+    from hipgraph_bridge.runtime import _library as mod
 
     monkeypatch.setattr(torch.version, "cuda", "13.0", raising=False)
     monkeypatch.setattr(mod, "_loaded_libraries",

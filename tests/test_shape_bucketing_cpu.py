@@ -12,7 +12,7 @@ import torch
 import gfxgraph
 from conftest import GPU_SKIP_REASON
 from gfxgraph import BridgedCUDAGraph, ShapeBucketPool, default_buckets
-from hipgraph_bridge.shape_bucketing import validate_buckets
+from hipgraph_bridge.bucketing import validate_buckets
 
 cpu_only = pytest.mark.skipif(GPU_SKIP_REASON is None, reason="exercises the no-GPU pipeline")
 
@@ -61,8 +61,8 @@ def test_bucket_selection_smallest_at_least_batch():
     ({"static_args": [1.5]}, TypeError, "static_args"),
     ({"vram_cap": 2.0}, ValueError, "vram_cap"),
     ({"capture_error_mode": "loose"}, ValueError, "capture_error_mode"),
-    ({"generators": [3]}, TypeError, "generators: expected torch.Generator"),
-    ({"generators": [torch.Generator()]}, ValueError, "generators: expected CUDA generators"),
+    ({"generators": [3]}, TypeError, "generators: expected CUDA torch.Generator"),
+    ({"generators": [torch.Generator()]}, TypeError, "generators: expected CUDA torch.Generator objects"),
     ({"static_args": "bias"}, TypeError, "static_args: expected a collection"),
     ({"copy_outputs": "no"}, TypeError, "copy_outputs: expected a bool"),
 ])
@@ -92,7 +92,7 @@ def test_padding_and_slicing_through_the_pipeline():
     assert (8, 3) in seen_shapes  # padded up to bucket 8
     assert torch.equal(y, x * 2) and torch.equal(s, x.sum(dim=1))
     assert y.shape == (5, 3) and s.shape == (5,)
-    buf = pool._buffers[0]
+    buf = pool.static_inputs[0]
     assert torch.equal(buf[5:8], torch.full((3, 3), -1.0))  # padding rows hold pad_value
     y2, _ = pool(torch.ones(2, 3))
     assert seen_shapes[-1] == (4, 3) and torch.equal(y2, torch.full((2, 3), 2.0))
@@ -222,7 +222,7 @@ def test_fast_path_sends_other_constant_kinds_to_the_full_checks():
 
 def test_a_call_from_another_stream_waits_for_the_default_stream(monkeypatch):
     """The default stream's handle is 0: the first call on it must still be remembered."""
-    from hipgraph_bridge import shape_bucketing as sb
+    from hipgraph_bridge.bucketing import pool as sb
 
     class FakeStream:
         def __init__(self, handle: int) -> None:
@@ -236,7 +236,7 @@ def test_a_call_from_another_stream_waits_for_the_default_stream(monkeypatch):
 
     default, side = FakeStream(0), FakeStream(7)
     current = {"s": default}
-    monkeypatch.setattr(sb, "_current_raw_stream", lambda: current["s"].handle)
+    monkeypatch.setattr(sb, "current_raw_stream", lambda: current["s"].handle)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: current["s"])
     pool = ShapeBucketPool(lambda x: x, [4])
     pool._order_after_previous_call()

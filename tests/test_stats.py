@@ -18,22 +18,54 @@ def test_keys_present():
             "capture_seconds", "capture_failures", "validation_checks"} <= snap.keys()
 
 
-class _Counted:
-    def __init__(self) -> None:
-        self._replays = 0
+def _ticked(n: int) -> core.ReplayCounter:
+    c = core.ReplayCounter()
+    for _ in range(n):
+        c.tick()
+    return c
 
 
-def test_replay_counts_from_tracked_objects_survive_release():
-    a, b = _Counted(), _Counted()
+def test_replay_counts_from_tracked_counters_survive_release():
+    a, b = _ticked(5), _ticked(7)
     core.track_replays(a)
     core.track_replays(b)
-    a._replays, b._replays = 5, 7
     assert gfxgraph.stats()["replay_count"] == 12
+    assert gfxgraph.stats()["replay_count"] == 12  # reading does not count
     core.retire_replays(a)  # released graphs keep counting in the totals
-    assert a._replays == 0
+    assert a.value() == 0
     assert gfxgraph.stats()["replay_count"] == 12
     gfxgraph.reset_stats()
-    assert gfxgraph.stats()["replay_count"] == 0 and b._replays == 0
+    assert gfxgraph.stats()["replay_count"] == 0 and b.value() == 0
+    b.tick()
+    assert gfxgraph.stats()["replay_count"] == 1
+
+
+def test_replay_counter_is_exact_under_concurrent_ticks_and_reads():
+    c = core.ReplayCounter()
+    core.track_replays(c)
+    n_threads, per_thread = 8, 20000
+    stop = threading.Event()
+    seen: list[int] = []
+
+    def reader() -> None:
+        while not stop.is_set():
+            seen.append(gfxgraph.stats()["replay_count"])
+
+    def ticker() -> None:
+        for _ in range(per_thread):
+            c.tick()
+
+    r = threading.Thread(target=reader)
+    r.start()
+    ts = [threading.Thread(target=ticker) for _ in range(n_threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    stop.set()
+    r.join()
+    assert gfxgraph.stats()["replay_count"] == n_threads * per_thread
+    assert seen == sorted(seen)
 
 
 def test_replay_latency_samples_and_percentiles():

@@ -13,10 +13,10 @@ import weakref
 
 import pytest
 
-from hipgraph_bridge.compositor import CompositorState, GraphCompositor, validate_dag
+from hipgraph_bridge.compose.compositor import CompositorState, GraphCompositor, validate_dag
 from hipgraph_bridge.errors import GraphRuntimeError
-from hipgraph_bridge.exec_update import UpdatableGraph, apply_update
-from hipgraph_bridge.launch_pipeline import LaunchPipeline
+from hipgraph_bridge.compose.exec_update import UpdatableGraph, apply_update
+from hipgraph_bridge.compose.pipeline import LaunchPipeline
 from hipgraph_bridge.runtime import (
     ExecUpdateOutcome,
     Graph,

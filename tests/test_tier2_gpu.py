@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from hipgraph_bridge import BridgedCUDAGraph, GraphRuntimeError
-from hipgraph_bridge.compositor import GraphCompositor
-from hipgraph_bridge.exec_update import UpdatableGraph
-from hipgraph_bridge.launch_pipeline import LaunchPipeline
+from hipgraph_bridge.compose.compositor import GraphCompositor
+from hipgraph_bridge.compose.exec_update import UpdatableGraph
+from hipgraph_bridge.compose.pipeline import LaunchPipeline
 from hipgraph_bridge.runtime import (
     Graph,
     deferred_count,

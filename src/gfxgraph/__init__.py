@@ -35,10 +35,10 @@ from hipgraph_bridge import (
     default_buckets,
     health_check,
 )
+from hipgraph_bridge import compiled_subgraphs, graph_pool_bytes
 from hipgraph_bridge import stats as _stats
-from hipgraph_bridge.env import read_enable_mode
+from hipgraph_bridge.config import read_enable_mode
 from hipgraph_bridge.log import apply_env_level
-from hipgraph_bridge.memory import graph_pool_bytes
 from hipgraph_bridge.patching import disable, enable, is_enabled
 
 __all__ = [
@@ -54,6 +54,7 @@ __all__ = [
     "gfxgraph_backend",
     "BackendOptions",
     "backend_stats",
+    "compiled_subgraphs",
     "ConditionalGraph",
     "DeviceWhileLoop",
     "LoopCondition",

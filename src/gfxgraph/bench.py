@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from hipgraph_bridge.log import logger
 from hipgraph_bridge.platform import probe
 
@@ -52,7 +54,7 @@ def _table(doc: dict) -> str:
 
 def _plot(doc: dict, path: Path) -> bool:
     try:
-        import matplotlib
+        import matplotlib  # optional: the bench extra
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -104,13 +106,7 @@ def run_bench(*, suites: list[str] | None, out_dir: str, list_only: bool = False
                                                        os.environ.get("PYTHONPATH", "")])}
     summary = ["# gfxgraph benchmarks", ""]
     failed = 0
-    try:
-        from tqdm.auto import tqdm
-
-        progress = tqdm(chosen, desc="gfxgraph bench", unit="suite")
-    except ImportError:
-        progress = chosen
-    for name in progress:
+    for name in tqdm(chosen, desc="gfxgraph bench", unit="suite"):
         t0 = time.perf_counter()
         logger.info("gfxgraph bench: running %s", name)
         r = subprocess.run([sys.executable, str(available[name]), "--out", str(out)], env=env)

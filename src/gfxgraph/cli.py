@@ -13,19 +13,26 @@ Options of ``run`` go before the script; everything after it is the script's.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
 import os
 import runpy
 import sys
 from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
+
+import gfxgraph
+from gfxgraph.bench import render_results, run_bench
+from hipgraph_bridge.config import read_enable_mode, read_log_level
+from hipgraph_bridge.platform import probe
 
 _COMMANDS = ("run", "doctor", "version", "bench")
 
 
 def _configure_logging(default: int) -> None:
-    from hipgraph_bridge.env import read_log_level
-
     logger = logging.getLogger("gfxgraph")
     if not any(getattr(h, "_gfxgraph_cli", False) for h in logger.handlers):
         handler = logging.StreamHandler(sys.stderr)
@@ -59,15 +66,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    import gfxgraph
-    from hipgraph_bridge.env import read_enable_mode
-
     _configure_logging(logging.WARNING)
     env_mode = read_enable_mode()
     gfxgraph.enable(debug=args.debug or env_mode == "debug", validate=args.validate or env_mode == "validate")
     if args.stats:
-        import atexit
-
         atexit.register(lambda: print(json.dumps(gfxgraph.stats(), indent=2, default=str), file=sys.stderr))
     if args.module:
         sys.argv = [args.module, *args.target]
@@ -87,8 +89,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    import gfxgraph
-
     _configure_logging(logging.WARNING)
     report = gfxgraph.health_check()
     if args.json:
@@ -105,26 +105,17 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_version(_: argparse.Namespace) -> int:
-    import torch
-
-    import gfxgraph
-    from hipgraph_bridge.platform import probe
-
     p = probe()
     print(f"gfxgraph {gfxgraph.__version__}")
     print(f"torch {torch.__version__} (backend: {p.backend or 'none'}, runtime: {p.runtime_version or '-'})")
     try:
-        from importlib.metadata import version
-
         print(f"cuda-bindings {version('cuda-bindings')}")
-    except Exception:
-        print("cuda-bindings not installed (Tier 2 on CUDA needs: pip install 'gfxgraph[cuda]')")
+    except PackageNotFoundError:
+        print("cuda-bindings not installed (graph nodes, exec update and conditional nodes on CUDA need: pip install 'gfxgraph[cuda]')")
     return 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from gfxgraph.bench import render_results, run_bench
-
     _configure_logging(logging.INFO)
     if args.render:
         return render_results(args.render, args.out)

@@ -1,35 +1,50 @@
 """hipgraph_bridge: gfxgraph's implementation. Importing it patches nothing.
 
 Use :mod:`gfxgraph` for the public API (``gfxgraph.enable()``); import from
-here to use the classes without the patch.
+here to use the classes without the patch. Layers, bottom up (each imports
+only those below it): ``runtime`` <- ``graph`` <- ``bucketing``,
+``conditional``, ``compose`` <- ``compile`` <- ``compat``; see docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations
 
-from .capture_state import GraphState
-from . import ops  # registers torch.ops.gfxgraph.conditional_select
-from .compositor import CompositorState, GraphCompositor, StageCapture, SwapResult, validate_dag
+from .bucketing import ShapeBucketPool, default_buckets, validate_buckets
+from .compat import BridgedCUDAGraph
+from .compile import BackendOptions, backend_stats, compiled_subgraphs, gfxgraph_backend
+from .compose import (
+    CompositorState,
+    GraphCompositor,
+    LaunchPipeline,
+    StageCapture,
+    SwapResult,
+    UpdatableGraph,
+    UpdateResult,
+    apply_update,
+    validate_dag,
+)
+from .conditional import (
+    ConditionalGraph,
+    ConditionalState,
+    ConditionalSupport,
+    DeviceWhileLoop,
+    LoopCondition,
+    conditional_select,
+    conditional_support,
+)
 from .errors import ConfigError, GraphCaptureError, GraphRuntimeError, GraphsUnavailableError
-from .graph_manager import BridgedCUDAGraph, OriginalCUDAGraph
-from .compile_backend import BackendOptions, backend_stats, gfxgraph_backend
-from .cond_nodes import ConditionalSupport, conditional_support
-from .conditional import ConditionalGraph, ConditionalState
-from .device_loop import DeviceWhileLoop, LoopCondition
-from .exec_update import UpdatableGraph, UpdateResult, apply_update
+from .graph import GraphCapture, GraphState, OriginalCUDAGraph, SafeCUDAGraph, graph_pool_bytes
 from .health import health_check
-from .launch_pipeline import LaunchPipeline
-from .memory import graph_pool_bytes
 from .platform import Platform, probe
 from .runtime import current_runtime, get_runtime
-from .shape_bucketing import ShapeBucketPool, default_buckets, validate_buckets
-from .ops import conditional_select
 from .validation import outputs_match, tolerance_for
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BridgedCUDAGraph",
+    "SafeCUDAGraph",
     "OriginalCUDAGraph",
+    "GraphCapture",
     "GraphState",
     "ConfigError",
     "GraphCaptureError",
@@ -37,9 +52,11 @@ __all__ = [
     "GraphsUnavailableError",
     "ShapeBucketPool",
     "default_buckets",
+    "validate_buckets",
     "gfxgraph_backend",
     "BackendOptions",
     "backend_stats",
+    "compiled_subgraphs",
     "ConditionalGraph",
     "ConditionalState",
     "DeviceWhileLoop",
@@ -58,7 +75,6 @@ __all__ = [
     "apply_update",
     "current_runtime",
     "get_runtime",
-    "validate_buckets",
     "Platform",
     "probe",
     "health_check",

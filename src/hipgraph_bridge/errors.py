@@ -1,22 +1,23 @@
-"""Exception types, by cause.
+"""Every exception gfxgraph defines, by cause.
 
 Bad arguments raise the built-in ``TypeError``/``ValueError`` with "expected
 X, got Y"; wrong state raises ``RuntimeError`` naming the state and the fix.
-Failures of the graph runtime itself raise these, all ``RuntimeError``s so
-code written for ``torch.cuda.CUDAGraph`` keeps catching them.
+The types below are for what the built-ins do not say. The graph errors are
+``RuntimeError``\\ s, so code written for ``torch.cuda.CUDAGraph`` keeps
+catching them; :class:`ConfigError` is a ``ValueError`` (a bad value).
 """
 
 from __future__ import annotations
 
-from .env import ConfigError
-from .platform import GraphsUnavailableError
+__all__ = ["ConfigError", "GraphsUnavailableError", "GraphCaptureError", "GraphRuntimeError"]
 
-__all__ = [
-    "ConfigError",
-    "GraphsUnavailableError",
-    "GraphCaptureError",
-    "GraphRuntimeError",
-]
+
+class ConfigError(ValueError):
+    """An environment variable or option holds a value gfxgraph does not accept."""
+
+
+class GraphsUnavailableError(RuntimeError):
+    """GPU graphs cannot run in this process (no GPU build, no visible device, no runtime binding)."""
 
 
 class GraphCaptureError(RuntimeError):

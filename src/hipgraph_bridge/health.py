@@ -7,16 +7,16 @@ from typing import Any
 
 import torch
 
+from .graph.bridged import SafeCUDAGraph
 from .platform import probe
+from .runtime import current_runtime
 
 __all__ = ["health_check", "native_bridge_available"]
 
 
 def native_bridge_available() -> tuple[bool, str]:
-    """Whether Tier 2 (the runtime layer) loads; the reason when it does not."""
+    """Whether the native runtime layer loads (graph nodes, exec update, conditional nodes); why not."""
     try:
-        from .runtime import current_runtime
-
         rt = current_runtime()
         return True, f"{rt.name} runtime via {rt.binding}"
     except Exception as exc:
@@ -25,10 +25,8 @@ def native_bridge_available() -> tuple[bool, str]:
 
 def _graph_round_trip() -> dict[str, Any]:
     """Capture y = x * 2 + 1, replay it on three inputs, compare with eager."""
-    from .graph_manager import BridgedCUDAGraph
-
     x = torch.zeros(1024, device="cuda")
-    g = BridgedCUDAGraph()
+    g = SafeCUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up off the default stream, as capture needs
@@ -55,7 +53,7 @@ def _graph_round_trip() -> dict[str, Any]:
 def health_check() -> dict[str, Any]:
     """Report on GPU graph support; on a GPU, capture, replay and verify a small graph.
 
-    Keys: ``ok``, ``gpu``, ``arch`` (``rocm`` is the seed's alias), ``backend``
+    Keys: ``ok``, ``gpu``, ``arch`` (``rocm``: its older name, kept), ``backend``
     (``"cuda"``, ``"hip"`` or None), ``native_bridge``, ``vram_total_mb``,
     ``vram_free_mb``, ``torch``, ``runtime_version``, ``details`` (a list of
     human-readable findings; when ``ok`` is False the first says why).
@@ -67,7 +65,7 @@ def health_check() -> dict[str, Any]:
         "ok": False,
         "gpu": p.device_name,
         "arch": p.arch,
-        "rocm": p.arch,  # the seed's name for the arch key, kept as an alias
+        "rocm": p.arch,  # the arch key's older name, kept for code that reads it
         "backend": p.backend,
         "native_bridge": native,
         "vram_total_mb": None,

@@ -11,7 +11,7 @@ import logging
 import threading
 from collections.abc import Hashable
 
-from .env import read_log_level
+from .config import read_log_level
 
 __all__ = ["logger", "log_once", "forget_logged", "apply_env_level"]
 

@@ -17,9 +17,9 @@ from types import ModuleType
 import torch
 import torch.cuda.graphs
 
-from . import settings as _settings
-from . import stats as _stats
-from .graph_manager import BridgedCUDAGraph
+from . import config, stats
+from .compat.graph import BridgedCUDAGraph
+from .compile.backend import register as register_compile_backend
 from .log import logger
 
 __all__ = ["enable", "disable", "is_enabled"]
@@ -28,6 +28,7 @@ _TARGETS: tuple[tuple[ModuleType, str], ...] = ((torch.cuda, "CUDAGraph"), (torc
 
 _lock = threading.RLock()
 _originals: dict[tuple[str, str], object] = {}
+_level_before_debug: int | None = None  # the logger's level before enable(debug=True), restored by disable()
 _atexit_registered = False
 
 
@@ -37,12 +38,13 @@ def enable(*, debug: bool = False, validate: bool = False) -> None:
     Idempotent: a second call keeps the patch and updates ``debug``/``validate``.
 
     Args:
-        debug: log every capture, fallback and replay failure at DEBUG level.
+        debug: log every capture, fallback and replay failure at DEBUG level
+            (the ``gfxgraph`` logger's level is put back by :func:`disable`).
         validate: high-level replays (``capture(model_fn=...)``, ``ShapeBucketPool``)
             also run eagerly, compare with dtype-aware tolerances, count
             mismatches and return the eager result. Costs one eager run per replay.
     """
-    global _atexit_registered
+    global _atexit_registered, _level_before_debug
     if not isinstance(debug, bool) or not isinstance(validate, bool):
         raise TypeError(f"enable(): debug and validate must be bools, got debug={debug!r}, validate={validate!r}")
     with _lock:
@@ -50,19 +52,27 @@ def enable(*, debug: bool = False, validate: bool = False) -> None:
             for module, name in _TARGETS:
                 _originals[(module.__name__, name)] = getattr(module, name)
                 setattr(module, name, BridgedCUDAGraph)
-            _stats.set_enabled_at(time.time())
-        _settings.update(enabled=True, debug=debug, validate=validate)
-        if debug:
+            stats.set_enabled_at(time.time())
+        config.set_switches(enabled=True, debug=debug, validate=validate)
+        if debug and _level_before_debug is None:
+            _level_before_debug = logger.level
             logger.setLevel(logging.DEBUG)
+        elif not debug and _level_before_debug is not None:
+            logger.setLevel(_level_before_debug)
+            _level_before_debug = None
         if not _atexit_registered:
             atexit.register(_at_exit)
             _atexit_registered = True
-        _register_compile_backend()
+        try:
+            register_compile_backend()
+        except Exception as exc:  # graphs work without the compile backend; never fail enable() over it
+            logger.debug("gfxgraph: compile backend not registered: %s", exc)
     logger.debug("gfxgraph enabled (debug=%s, validate=%s)", debug, validate)
 
 
 def disable() -> None:
-    """Undo :func:`enable`: put back the exact objects it replaced. Idempotent."""
+    """Undo :func:`enable`: put back the exact objects it replaced, and the logger's level. Idempotent."""
+    global _level_before_debug
     with _lock:
         if not _originals:
             return
@@ -73,28 +83,22 @@ def disable() -> None:
             else:
                 logger.warning("gfxgraph.disable(): %s.%s was replaced by someone else since enable(); "
                                "leaving it as it is", module.__name__, name)
-        _settings.update(enabled=False, debug=False, validate=False)
-        _stats.set_enabled_at(None)
+        config.set_switches(enabled=False, debug=False, validate=False)
+        stats.set_enabled_at(None)
+        if _level_before_debug is not None:
+            logger.setLevel(_level_before_debug)
+            _level_before_debug = None
     logger.debug("gfxgraph disabled")
 
 
 def is_enabled() -> bool:
     """Whether :func:`enable` is in force."""
-    return _settings.current().enabled
-
-
-def _register_compile_backend() -> None:
-    try:
-        from .compile_backend import register
-
-        register()
-    except Exception as exc:  # compile support is optional; graphs work without it
-        logger.debug("gfxgraph: compile backend not registered: %s", exc)
+    return config.switches.enabled
 
 
 def _at_exit() -> None:
     if is_enabled():
-        snap = _stats.snapshot()
+        snap = stats.snapshot()
         logger.debug("gfxgraph at exit: %d captures, %d replays, %d fallbacks %s",
                      snap["capture_count"], snap["replay_count"], snap["fallback_count"],
                      snap["fallback_reasons"])

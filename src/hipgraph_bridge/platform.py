@@ -1,7 +1,7 @@
 """One cached probe of what this process can do with GPU graphs.
 
-Everything that branches on CUDA vs HIP vs no GPU asks :func:`probe` instead
-of repeating version checks.
+Everything that branches on CUDA vs HIP vs no GPU asks :func:`probe` (or, for
+the build alone, :func:`torch_build_version`) instead of repeating version checks.
 """
 
 from __future__ import annotations
@@ -12,13 +12,25 @@ from typing import Literal
 
 import torch
 
-__all__ = ["Platform", "probe", "require_gpu", "GraphsUnavailableError"]
+from .errors import GraphsUnavailableError
+
+__all__ = ["Platform", "Backend", "probe", "require_gpu", "torch_build_version"]
 
 Backend = Literal["cuda", "hip"]
 
 
-class GraphsUnavailableError(RuntimeError):
-    """GPU graphs cannot run in this process (no GPU build, no visible device)."""
+def torch_build_version() -> tuple[Backend | None, str | None]:
+    """The GPU API the installed PyTorch was built for, and its version (None, None: CPU-only).
+
+    Read on each call (cheap), unlike :func:`probe`, so that tests can change ``torch.version``.
+    """
+    hip = getattr(torch.version, "hip", None)
+    if hip:
+        return "hip", str(hip)
+    cuda = getattr(torch.version, "cuda", None)
+    if cuda:
+        return "cuda", str(cuda)
+    return None, None
 
 
 @dataclass(frozen=True)
@@ -44,10 +56,7 @@ class Platform:
 @functools.lru_cache(maxsize=1)
 def probe() -> Platform:
     """Inspect PyTorch and device 0 once per process (cached)."""
-    hip = getattr(torch.version, "hip", None)
-    cuda = getattr(torch.version, "cuda", None)
-    runtime_version = hip or cuda
-    build: Backend | None = "hip" if hip else ("cuda" if cuda else None)
+    build, runtime_version = torch_build_version()
     if build is None:
         return Platform(
             None, torch.__version__, None, 0, None, None,

@@ -1,20 +1,19 @@
 """Process-wide counters: captures, replays, fallbacks, validation.
 
-Replays are the hot path. Each graph counts its own replays in a plain int
-attribute (``_replays``; one add, no lock); :func:`snapshot` sums the live
-graphs it tracks plus the counts of graphs already released. Latency is
-sampled: graphs time one replay in ``REPLAY_SAMPLE_EVERY`` and record it into a
-per-thread recorder (no lock), which the percentiles are computed from.
-Rare events (captures, fallbacks, validation results) take a lock.
-:func:`reset` starts a new generation; a thread notices on its next sample and
-starts a new recorder, so no sample is lost or double-counted across a reset.
-
-Known limit: one graph object replayed concurrently from several threads can
-undercount (two ``+=`` may interleave); separate graphs per thread count exactly.
+Replays are the hot path. Each graph owns a :class:`ReplayCounter` whose
+``tick`` is one atomic C call per replay (no lock, no attribute write);
+:func:`snapshot` sums the live counters it tracks plus the counts of graphs
+already released. Latency is sampled: graphs time one replay in
+``REPLAY_SAMPLE_EVERY`` and record it into a per-thread recorder (no lock),
+which the percentiles are computed from. Rare events (captures, fallbacks,
+validation results) take a lock. :func:`reset` starts a new generation; a
+thread notices on its next sample and starts a new recorder, so no sample is
+lost or double-counted across a reset.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -25,6 +24,7 @@ from .log import forget_logged, log_once
 
 __all__ = [
     "REPLAY_SAMPLE_EVERY",
+    "ReplayCounter",
     "track_replays",
     "retire_replays",
     "record_replay_ns",
@@ -40,6 +40,37 @@ __all__ = [
 _RING = 4096  # replay latency samples kept per thread for percentiles (power of two)
 _MASK = _RING - 1
 REPLAY_SAMPLE_EVERY = 16  # power of two: graphs time one replay in this many
+
+
+class ReplayCounter:
+    """The replays of one graph, exact under concurrent replays, without a lock.
+
+    ``tick()`` is the hot path: ``next()`` of an ``itertools.count``, one atomic
+    C call under the GIL. Reading never parses or races: ``next()`` hands out
+    each number once, to a replay or to a read, so the replays so far are the
+    number a read draws minus the reads before it. Reads are serialised by
+    :func:`snapshot`'s lock.
+    """
+
+    __slots__ = ("tick", "_numbers", "_reads", "_base", "__weakref__")
+
+    def __init__(self) -> None:
+        self._numbers = itertools.count()
+        self.tick = self._numbers.__next__
+        self._reads = 0
+        self._base = 0  # replays before the last zero()
+
+    def _total(self) -> int:
+        n = next(self._numbers) - self._reads
+        self._reads += 1
+        return n
+
+    def value(self) -> int:
+        """Replays since creation or the last :meth:`zero`."""
+        return self._total() - self._base
+
+    def zero(self) -> None:
+        self._base = self._total()
 
 
 class _ReplayRecorder:
@@ -58,7 +89,7 @@ class _Registry:
         self.gen = object()
         self.recorders: list[_ReplayRecorder] = []
         self.enabled_at: float | None = None
-        self.counted: weakref.WeakSet[Any] = weakref.WeakSet()  # objects with a `_replays` int
+        self.counted: weakref.WeakSet[ReplayCounter] = weakref.WeakSet()
         self.retired_replays = 0
         self.clear_events()
 
@@ -83,19 +114,19 @@ def _new_recorder() -> _ReplayRecorder:
     return rec
 
 
-def track_replays(obj: Any) -> None:
-    """Include ``obj._replays`` (an int the object increments per replay) in the counts."""
+def track_replays(counter: ReplayCounter) -> None:
+    """Include ``counter`` in the replay counts (held weakly)."""
     with _reg.lock:
-        _reg.counted.add(obj)
+        _reg.counted.add(counter)
 
 
-def retire_replays(obj: Any) -> None:
-    """Fold ``obj``'s replay count into the totals before it is released or reset."""
+def retire_replays(counter: ReplayCounter) -> None:
+    """Fold ``counter`` into the totals and zero it, before its graph is released or reset."""
     with _reg.lock:
-        if obj in _reg.counted:
-            _reg.retired_replays += obj._replays
-            _reg.counted.discard(obj)
-        obj._replays = 0
+        if counter in _reg.counted:
+            _reg.retired_replays += counter.value()
+            _reg.counted.discard(counter)
+        counter.zero()
 
 
 def record_replay_ns(ns: int) -> None:
@@ -158,7 +189,7 @@ def snapshot() -> dict[str, Any]:
     """A consistent copy of every counter (see ``gfxgraph.stats`` for the keys)."""
     with _reg.lock:
         recs = list(_reg.recorders)
-        replays = _reg.retired_replays + sum(o._replays for o in list(_reg.counted))
+        replays = _reg.retired_replays + sum(c.value() for c in list(_reg.counted))
         out: dict[str, Any] = {
             "enabled_at": _reg.enabled_at,
             "capture_count": _reg.capture_count,
@@ -197,7 +228,7 @@ def reset() -> None:
         _reg.gen = object()
         _reg.recorders = []
         _reg.retired_replays = 0
-        for obj in list(_reg.counted):
-            obj._replays = 0
+        for counter in list(_reg.counted):
+            counter.zero()
         _reg.clear_events()
     forget_logged()

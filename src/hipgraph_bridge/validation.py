@@ -8,10 +8,14 @@ more; integer and boolean outputs must match exactly.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
-from torch.utils import _pytree as pytree
+
+from . import stats
+from ._torch_compat import pytree
+from .log import log_once
 
 __all__ = ["Tolerance", "tolerance_for", "outputs_match", "checked_against_eager"]
 
@@ -61,11 +65,6 @@ def outputs_match(graph_out: object, eager_out: object) -> tuple[bool, str]:
 def checked_against_eager(graph_out: object, eager_out: object, *, owner: object, what: str) -> object:
     """Validation mode's rule: count the comparison; on a mismatch log it once per ``owner``
     and return the eager result, else the graph's."""
-    import logging
-
-    from . import stats
-    from .log import log_once
-
     ok, why = outputs_match(graph_out, eager_out)
     stats.record_validation(ok)
     if ok:

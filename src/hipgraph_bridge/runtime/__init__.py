@@ -1,4 +1,4 @@
-"""Tier 2's runtime layer (the seed's ``_C.py`` role): graph runtime calls for CUDA and HIP.
+"""The runtime layer: graph, stream and event calls of the CUDA or HIP runtime, behind one interface.
 
 Two backends behind one handle-level interface (:class:`Runtime`):
 
@@ -22,18 +22,27 @@ with the runtime's own error name and message.
 
 from __future__ import annotations
 
-from ._base import CaptureInfo, ExecUpdateOutcome, Runtime, RuntimeCaps
-from ._lifetime import deferred_count, drain_deferred
-from ._select import (
-    RUNTIME_KINDS,
-    RuntimeKind,
-    current_runtime,
-    get_runtime,
-    read_runtime_kind,
-    reset_runtime_cache,
-    resolve_runtime,
-    torch_build,
+from ..config import RUNTIME_KINDS, RuntimeKind, read_runtime_kind
+from ._base import (
+    CAPTURE_MODE_THREAD_LOCAL,
+    COND_IF,
+    COND_SWITCH,
+    COND_WHILE,
+    DEVICE_LAUNCH_REASON,
+    HIP_NO_CONDITIONAL,
+    NODE_EMPTY,
+    NODE_KERNEL,
+    NODE_MEMCPY,
+    NODE_MEMSET,
+    CaptureInfo,
+    ExecUpdateOutcome,
+    Runtime,
+    RuntimeCaps,
 )
+from ._captures import capture_owner, captures_live, register_capture, unregister_capture
+from ._cuda_bindings import INSTALL_HINT
+from ._lifetime import deferred_count, drain_deferred
+from ._select import current_runtime, get_runtime, reset_runtime_cache, resolve_runtime, torch_build
 from .graph import Event, Graph, GraphExec, GraphNode, as_graph, stream_handle
 
 __all__ = [
@@ -57,4 +66,19 @@ __all__ = [
     "stream_handle",
     "drain_deferred",
     "deferred_count",
+    "register_capture",
+    "unregister_capture",
+    "capture_owner",
+    "captures_live",
+    "INSTALL_HINT",
+    "DEVICE_LAUNCH_REASON",
+    "HIP_NO_CONDITIONAL",
+    "CAPTURE_MODE_THREAD_LOCAL",
+    "NODE_KERNEL",
+    "NODE_MEMCPY",
+    "NODE_MEMSET",
+    "NODE_EMPTY",
+    "COND_IF",
+    "COND_WHILE",
+    "COND_SWITCH",
 ]

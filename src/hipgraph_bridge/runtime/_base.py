@@ -287,6 +287,10 @@ class Runtime:
         """Why this binding cannot build conditional nodes (None when it can)."""
         return f"{self.binding} does not bind conditional graph nodes"
 
+    def binds_switch_nodes(self) -> bool:
+        """Whether this binding knows the SWITCH conditional node type (CUDA 12.8+ bindings)."""
+        return False
+
     def _no_conditional(self) -> NotImplementedError:
         return NotImplementedError(self.conditional_nodes_reason() or "not implemented")
 

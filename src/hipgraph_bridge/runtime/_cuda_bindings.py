@@ -215,6 +215,10 @@ class CudaBindingsRuntime(Runtime):
                     f"; conditional nodes need {INSTALL_HINT}")
         return None
 
+    def binds_switch_nodes(self) -> bool:
+        kinds = getattr(self._rt, "cudaGraphConditionalNodeType", None)
+        return kinds is not None and hasattr(kinds, "cudaGraphCondTypeSwitch")
+
     def conditional_handle_create(self, graph: int, *, default_value: int = 0,
                                   assign_default: bool = True) -> int:
         flags = 1 if assign_default else 0  # cudaGraphCondAssignDefault

@@ -18,12 +18,13 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from ..log import logger
-
-if TYPE_CHECKING:
-    from ._base import Runtime
+from ._base import Runtime
+from ._captures import captures_live
 
 __all__ = ["release", "drain_deferred", "deferred_count", "capture_active", "attach_finalizer"]
 
@@ -33,13 +34,9 @@ _lock = threading.Lock()
 
 def capture_active() -> bool:
     """Whether a capture this process can see is live (gfxgraph's registry or torch's stream)."""
-    from ..capture_state import other_captures_active
-
-    if other_captures_active(None):
+    if captures_live():
         return True
     try:
-        import torch
-
         return bool(torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
     except Exception:  # no CUDA, or a broken device: nothing is capturing here
         return False

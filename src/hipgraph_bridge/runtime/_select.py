@@ -18,42 +18,22 @@ so fixing the environment and retrying works.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-from ..env import ConfigError, read_runtime_lib
+from ..config import RUNTIME_KINDS, RuntimeKind, read_runtime_kind, read_runtime_lib
+from ..errors import GraphsUnavailableError
 from ..log import log_once
-from ..platform import GraphsUnavailableError
+from ..platform import torch_build_version
+from ._base import Runtime
+from ._ctypes import CtypesRuntime, find_runtime_library
+from ._cuda_bindings import INSTALL_HINT, CudaBindingsRuntime
 
-if TYPE_CHECKING:
-    from ._base import Runtime
-
-__all__ = ["RuntimeKind", "RUNTIME_KINDS", "read_runtime_kind", "get_runtime", "current_runtime",
-           "resolve_runtime", "reset_runtime_cache", "torch_build", "torch_build_version"]
-
-RuntimeKind = Literal["auto", "cuda-bindings", "ctypes"]
-RUNTIME_KINDS: tuple[str, ...] = ("auto", "cuda-bindings", "ctypes")
+__all__ = ["get_runtime", "current_runtime", "resolve_runtime", "reset_runtime_cache", "torch_build"]
 
 _cache: dict[tuple[str, str | None], Runtime] = {}
 _lock = threading.Lock()
-
-
-def read_runtime_kind(environ: Mapping[str, str] | None = None) -> RuntimeKind:
-    """Parse ``GFXGRAPH_RUNTIME``: ``auto`` (default), ``cuda-bindings`` or ``ctypes``.
-
-    Raises:
-        ConfigError: any other value.
-    """
-    env = os.environ if environ is None else environ
-    raw = env.get("GFXGRAPH_RUNTIME")
-    if raw is None or not raw.strip():
-        return "auto"
-    value = raw.strip().lower()
-    if value not in RUNTIME_KINDS:
-        raise ConfigError(f"GFXGRAPH_RUNTIME={raw!r}: expected one of {', '.join(RUNTIME_KINDS)}")
-    return value  # type: ignore[return-value]
 
 
 def _check_kind(kind: object) -> RuntimeKind:
@@ -62,49 +42,22 @@ def _check_kind(kind: object) -> RuntimeKind:
     return kind  # type: ignore[return-value]
 
 
-def torch_build_version() -> tuple[Literal["cuda", "hip"] | None, str | None]:
-    """The GPU API the installed PyTorch was built for, and its version (None, None: CPU-only).
-
-    The one place the runtime layer reads ``torch.version``; read on each call
-    (cheap) so that tests can change it.
-    """
-    import torch
-
-    hip = getattr(torch.version, "hip", None)
-    if hip:
-        return "hip", str(hip)
-    cuda = getattr(torch.version, "cuda", None)
-    if cuda:
-        return "cuda", str(cuda)
-    return None, None
-
-
 def torch_build() -> Literal["cuda", "hip"] | None:
     """Which GPU API the installed PyTorch was built for (None: CPU-only build)."""
     return torch_build_version()[0]
 
 
-def _cuda_bindings() -> Runtime:
-    from ._cuda_bindings import CudaBindingsRuntime
-
-    return CudaBindingsRuntime()
-
-
 def _ctypes(api: Literal["cuda", "hip"], lib: str | None) -> Runtime:
-    from ._ctypes import CtypesRuntime, find_runtime_library
-
     if lib is not None:
         return CtypesRuntime.open(lib)  # the library's own symbols say which API it is
     return CtypesRuntime.open(find_runtime_library(api), api=api)
 
 
 def _create(kind: RuntimeKind, lib: str | None) -> Runtime:
-    from ._cuda_bindings import INSTALL_HINT
-
     build = torch_build()
     if kind == "cuda-bindings":
         try:
-            return _cuda_bindings()
+            return CudaBindingsRuntime()
         except ImportError as exc:
             raise GraphsUnavailableError(str(exc)) from exc
     if kind == "ctypes":
@@ -114,13 +67,13 @@ def _create(kind: RuntimeKind, lib: str | None) -> Runtime:
         return _ctypes(build or "cuda", lib)
     if build is None:
         raise GraphsUnavailableError(
-            "Tier 2 (native graph runtime) is unavailable: PyTorch is a CPU-only build. "
+            "The native graph runtime layer is unavailable: PyTorch is a CPU-only build. "
             f"On NVIDIA install a CUDA build of PyTorch and {INSTALL_HINT}; on AMD a ROCm build"
         )
     if build == "hip":
         return _ctypes("hip", None)
     try:
-        return _cuda_bindings()
+        return CudaBindingsRuntime()
     except ImportError as first:
         try:
             rt = _ctypes("cuda", None)
@@ -130,7 +83,7 @@ def _create(kind: RuntimeKind, lib: str | None) -> Runtime:
                 f"through ctypes either ({second})"
             ) from second
         log_once(("runtime", "ctypes-fallback"), logging.INFO,
-                 "gfxgraph: cuda-bindings is not installed; Tier 2 uses ctypes over %s "
+                 "gfxgraph: cuda-bindings is not installed; the runtime layer uses ctypes over %s "
                  "(%s for the supported binding)", rt.binding, INSTALL_HINT)
         return rt
 
@@ -162,8 +115,6 @@ def current_runtime() -> Runtime:
 
 def resolve_runtime(runtime: object) -> Runtime:
     """``runtime`` as a :class:`Runtime`: None = current, a kind name, or a Runtime."""
-    from ._base import Runtime
-
     if runtime is None:
         return current_runtime()
     if isinstance(runtime, Runtime):

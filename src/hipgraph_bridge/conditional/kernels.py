@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from .errors import GraphRuntimeError
-from .log import logger
-from .runtime._cuda_bindings import INSTALL_HINT
+from ..errors import GraphRuntimeError
+from ..log import logger
+from ..runtime import INSTALL_HINT
 
 __all__ = ["SetterKernels", "setter_kernels", "nvrtc_version", "nvrtc_unavailable_reason", "launch",
            "dtype_kind", "COMPARE_OPS", "KERNEL_SOURCE", "compile_source"]

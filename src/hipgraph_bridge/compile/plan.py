@@ -46,7 +46,9 @@ from typing import Any, Literal
 import torch
 from torch import fx
 
-__all__ = ["InputSlot", "IntOutput", "GraphPlan", "analyze", "fx_mutated_inputs", "aot_mutated_inputs"]
+from .._torch_compat import static_address_type, sym_expr, sym_hint, sym_range
+
+__all__ = ["InputSlot", "IntOutput", "GraphPlan", "analyze", "fx_mutated_inputs"]
 
 InputKind = Literal["batched", "ref", "owned", "batch_int", "shape_int", "batch_like", "const"]
 
@@ -103,55 +105,19 @@ class GraphPlan:
 
 
 # ------------------------------------------------------------------ symbols
-def _expr(v: Any) -> Any:
-    """The sympy expression of a SymInt (None for a plain int or a specialised SymInt)."""
-    if isinstance(v, torch.SymInt):
-        e = v.node.expr
-        return None if e.is_number else e
-    return None
 
 
 def _symbols(shape: Sequence[Any]) -> set[Any]:
     out: set[Any] = set()
     for s in shape:
-        e = _expr(s)
+        e = sym_expr(s)
         if e is not None:
             out |= e.free_symbols
     return out
 
 
 def _is_ref(t: torch.Tensor) -> bool:
-    if isinstance(t, torch.nn.Parameter):
-        return True
-    try:
-        from torch._dynamo.utils import get_static_address_type
-    except ImportError:  # older torch: parameters only
-        return False
-    return get_static_address_type(t) is not None
-
-
-def _range(example: Any, symbol: Any) -> tuple[int, int | None]:
-    """Batch sizes the frame admits: dynamo specialises 0 and 1, so usually [2, inf)."""
-    try:
-        vr = example.node.shape_env.bound_sympy(symbol)
-        lo = max(1, int(vr.lower))
-    except Exception:  # no shape env to ask: assume the usual 0/1 specialisation
-        return 2, None
-    try:
-        hi: int | None = int(vr.upper)
-    except Exception:  # int_oo: unbounded
-        hi = None
-    if hi is not None and hi >= 2**62:
-        hi = None
-    return lo, hi
-
-
-def _hint(v: Any) -> int | None:
-    """A SymInt's example value without guarding on it (``int(s)`` would specialise it)."""
-    if isinstance(v, torch.SymInt):
-        h = getattr(v.node, "hint", None)
-        return h if isinstance(h, int) else None
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
+    return isinstance(t, torch.nn.Parameter) or static_address_type(t) is not None
 
 
 # ------------------------------------------------------- sizes used as values
@@ -230,7 +196,7 @@ def value_use(node: fx.Node) -> fx.Node | None:
 
 def _nodes_with_symbol(gm: fx.GraphModule, symbol: Any) -> Iterator[fx.Node]:
     for n in gm.graph.nodes:
-        e = _expr(n.meta.get("example_value"))
+        e = sym_expr(n.meta.get("example_value"))
         if e is not None and symbol in e.free_symbols:
             yield n
 
@@ -238,118 +204,151 @@ def _nodes_with_symbol(gm: fx.GraphModule, symbol: Any) -> Iterator[fx.Node]:
 # ------------------------------------------------------------------ analysis
 def analyze(gm: fx.GraphModule, example_inputs: Sequence[Any], *, batch_dim: int) -> GraphPlan:
     """Classify every input and output of ``gm`` (see the module docstring)."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != len(example_inputs):
-        raise ValueError(f"expected one example input per graph placeholder ({len(placeholders)}), "
-                         f"got {len(example_inputs)}")
-    fakes = [n.meta.get("example_value", ex) for n, ex in zip(placeholders, example_inputs)]
-    names = [n.name for n in placeholders]
-    bd = batch_dim
-    tensors = [i for i, ex in enumerate(example_inputs) if isinstance(ex, torch.Tensor)]
-    refs = {i for i in tensors if _is_ref(example_inputs[i])}
-    for i in tensors:
-        if not isinstance(fakes[i], torch.Tensor):
-            fakes[i] = example_inputs[i]
-    static = not any(_symbols(f.shape) if isinstance(f, torch.Tensor) else _expr(f) is not None for f in fakes)
+    return _Analysis(gm, example_inputs, batch_dim).plan()
 
-    # the batch: the first non-ref tensor's size in batch_dim (a symbol, or a fixed size)
-    batch_symbol, fixed_batch, batch_example = None, None, None
-    for i in tensors:
-        f = fakes[i]
-        if i in refs or f.dim() <= bd:
-            continue
-        e = _expr(f.shape[bd])
-        if e is not None and e.is_Symbol:
-            batch_symbol, batch_example = e, f.shape[bd]
-        elif e is None:
-            fixed_batch = int(example_inputs[i].shape[bd])
-        break
 
-    slots: list[InputSlot | None] = [None] * len(fakes)
-    where: dict[Any, tuple[int, int]] = {}  # symbol -> (tensor input, dim) that carries it
-    for i in tensors:
-        f = fakes[i]
-        for d, s in enumerate(f.shape):
-            e = _expr(s)
-            if e is not None and e.is_Symbol:
-                where.setdefault(e, (i, d))
-        syms = _symbols(f.shape)
-        if i in refs:
-            slots[i] = InputSlot(i, "ref", names[i])
-        elif f.dim() > bd and batch_symbol is not None and _expr(f.shape[bd]) == batch_symbol \
-                and batch_symbol not in _symbols([s for d, s in enumerate(f.shape) if d != bd]):
-            slots[i] = InputSlot(i, "batched", names[i], varies=len(syms) > 1)
-        elif f.dim() > bd and fixed_batch is not None and _expr(f.shape[bd]) is None \
-                and f.shape[bd] == fixed_batch:
-            slots[i] = InputSlot(i, "batched", names[i], varies=bool(syms))
-        else:
-            slots[i] = InputSlot(i, "owned", names[i], varies=bool(syms))
-    first_batched = next((s.index for s in slots if s is not None and s.kind == "batched"), None)
-    batch_hint = int(example_inputs[first_batched].shape[bd]) if first_batched is not None else None
-    batch_symbols = set()
-    if batch_symbol is not None and first_batched is not None:
-        where[batch_symbol] = (first_batched, bd)
-        batch_symbols.add(batch_symbol)
+class _Analysis:
+    """One pass over a subgraph's inputs, in the order the kinds depend on each other."""
 
-    def follows_batch(symbol: Any, hint: int | None) -> bool:
-        """A second symbol that equals the batch in the example and is only ever used as a size."""
-        return (batch_symbol is not None and first_batched is not None and symbol != batch_symbol
-                and hint == batch_hint and all(value_use(n) is None for n in _nodes_with_symbol(gm, symbol)))
+    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], bd: int) -> None:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(example_inputs):
+            raise ValueError(f"expected one example input per graph placeholder ({len(placeholders)}), "
+                             f"got {len(example_inputs)}")
+        self.gm, self.examples, self.bd = gm, example_inputs, bd
+        self.fakes = [n.meta.get("example_value", ex) for n, ex in zip(placeholders, example_inputs)]
+        self.names = [n.name for n in placeholders]
+        self.tensors = [i for i, ex in enumerate(example_inputs) if isinstance(ex, torch.Tensor)]
+        self.refs = {i for i in self.tensors if _is_ref(example_inputs[i])}
+        for i in self.tensors:
+            if not isinstance(self.fakes[i], torch.Tensor):
+                self.fakes[i] = example_inputs[i]
+        self.slots: list[InputSlot | None] = [None] * len(self.fakes)
+        self.where: dict[Any, tuple[int, int]] = {}  # symbol -> (tensor input, dim) that carries it
+        self.batch_symbols: set[Any] = set()
+        self.unsupported: tuple[str, str] | None = None
+        self.batch_symbol, self.fixed_batch, self.batch_example = self._find_batch()
+        self.first_batched: int | None = None
+        self.batch_hint: int | None = None
 
-    for i in tensors:  # tensors whose batch dim has a symbol of its own (dynamo could not tie them)
-        s = slots[i]
-        f = fakes[i]
-        if s is None or s.kind != "owned" or f.dim() <= bd:
-            continue
-        e = _expr(f.shape[bd])
-        rest = _symbols([x for d, x in enumerate(f.shape) if d != bd])
-        if e is not None and e.is_Symbol and e not in rest and follows_batch(e, int(example_inputs[i].shape[bd])):
-            slots[i] = InputSlot(i, "batch_like", names[i], varies=bool(rest))
-            batch_symbols.add(e)
-
-    unsupported: tuple[str, str] | None = None
-    carriers: dict[Any, tuple[int, int | None]] = dict(where)
-    for i, f in enumerate(fakes):
-        if slots[i] is not None:
-            continue
-        e = _expr(f)
-        if e is not None and e.is_Symbol and e in where:
-            kind: InputKind = "batch_int" if e in batch_symbols else "shape_int"
-            slots[i] = InputSlot(i, kind, names[i], source=where[e])
-            continue
-        if e is not None and e.is_Symbol:
-            carriers.setdefault(e, (i, None))  # an int that is its own source
-            if follows_batch(e, _hint(f)):
-                slots[i] = InputSlot(i, "batch_like", names[i], source=where[batch_symbol])
-                batch_symbols.add(e)
+    def _find_batch(self) -> tuple[Any, int | None, Any]:
+        """The first non-ref tensor's size in batch_dim: (symbol, fixed size, example size)."""
+        bd = self.bd
+        for i in self.tensors:
+            f = self.fakes[i]
+            if i in self.refs or f.dim() <= bd:
                 continue
-        slots[i] = InputSlot(i, "const", names[i])
-        if not isinstance(f, torch.SymInt):
-            try:
-                hash(example_inputs[i])
-            except TypeError:
-                unsupported = unsupported or ("unsupported_input", f"input {names[i]} is an unhashable "
-                                              f"{type(example_inputs[i]).__name__}")
-    final = tuple(s for s in slots if s is not None)
+            e = sym_expr(f.shape[bd])
+            if e is not None and e.is_Symbol:
+                return e, None, f.shape[bd]
+            return None, (int(self.examples[i].shape[bd]) if e is None else None), None
+        return None, None, None
 
-    if batch_symbol is not None:
-        for n in _nodes_with_symbol(gm, batch_symbol):
+    def _classify_tensors(self) -> None:
+        bd, sym = self.bd, self.batch_symbol
+        for i in self.tensors:
+            f, name = self.fakes[i], self.names[i]
+            for d, s in enumerate(f.shape):
+                e = sym_expr(s)
+                if e is not None and e.is_Symbol:
+                    self.where.setdefault(e, (i, d))
+            syms = _symbols(f.shape)
+            if i in self.refs:
+                self.slots[i] = InputSlot(i, "ref", name)
+            elif f.dim() > bd and sym is not None and sym_expr(f.shape[bd]) == sym \
+                    and sym not in _symbols([s for d, s in enumerate(f.shape) if d != bd]):
+                self.slots[i] = InputSlot(i, "batched", name, varies=len(syms) > 1)
+            elif f.dim() > bd and self.fixed_batch is not None and sym_expr(f.shape[bd]) is None \
+                    and f.shape[bd] == self.fixed_batch:
+                self.slots[i] = InputSlot(i, "batched", name, varies=bool(syms))
+            else:
+                self.slots[i] = InputSlot(i, "owned", name, varies=bool(syms))
+        self.first_batched = next((s.index for s in self.slots if s is not None and s.kind == "batched"), None)
+        if self.first_batched is not None:
+            self.batch_hint = int(self.examples[self.first_batched].shape[bd])
+            if sym is not None:
+                self.where[sym] = (self.first_batched, bd)
+                self.batch_symbols.add(sym)
+
+    def _follows_batch(self, symbol: Any, hint: int | None) -> bool:
+        """A second symbol that equals the batch in the example and is only ever used as a size."""
+        return (self.batch_symbol is not None and self.first_batched is not None and symbol != self.batch_symbol
+                and hint == self.batch_hint
+                and all(value_use(n) is None for n in _nodes_with_symbol(self.gm, symbol)))
+
+    def _tie_batch_like_tensors(self) -> None:
+        """Tensors whose batch dim has a symbol of its own (dynamo could not tie them to the batch)."""
+        bd = self.bd
+        for i in self.tensors:
+            s, f = self.slots[i], self.fakes[i]
+            if s is None or s.kind != "owned" or f.dim() <= bd:
+                continue
+            e = sym_expr(f.shape[bd])
+            rest = _symbols([x for d, x in enumerate(f.shape) if d != bd])
+            if e is not None and e.is_Symbol and e not in rest \
+                    and self._follows_batch(e, int(self.examples[i].shape[bd])):
+                self.slots[i] = InputSlot(i, "batch_like", self.names[i], varies=bool(rest))
+                self.batch_symbols.add(e)
+
+    def _classify_scalars(self) -> dict[Any, tuple[int, int | None]]:
+        """Ints and other values; returns every symbol's carrier (a tensor dim, or the int itself)."""
+        carriers: dict[Any, tuple[int, int | None]] = dict(self.where)
+        for i, f in enumerate(self.fakes):
+            if self.slots[i] is not None:
+                continue
+            name, e = self.names[i], sym_expr(f)
+            if e is not None and e.is_Symbol and e in self.where:
+                kind: InputKind = "batch_int" if e in self.batch_symbols else "shape_int"
+                self.slots[i] = InputSlot(i, kind, name, source=self.where[e])
+                continue
+            if e is not None and e.is_Symbol:
+                carriers.setdefault(e, (i, None))  # an int that is its own source
+                if self._follows_batch(e, sym_hint(f)):
+                    self.slots[i] = InputSlot(i, "batch_like", name, source=self.where[self.batch_symbol])
+                    self.batch_symbols.add(e)
+                    continue
+            self.slots[i] = InputSlot(i, "const", name)
+            if not isinstance(f, torch.SymInt):
+                try:
+                    hash(self.examples[i])
+                except TypeError:
+                    self._refuse("unsupported_input", f"input {name} is an unhashable "
+                                 f"{type(self.examples[i]).__name__}")
+        return carriers
+
+    def _refuse(self, reason: str, detail: str) -> None:
+        self.unsupported = self.unsupported or (reason, detail)
+
+    def _check_batch_used_as_size(self) -> None:
+        if self.batch_symbol is None:
+            return
+        for n in _nodes_with_symbol(self.gm, self.batch_symbol):
             bad = value_use(n)
             if bad is not None:
-                unsupported = unsupported or (
-                    "batch_value", f"the batch size ({n.name}) is used as a value by {bad.format_node()}; "
-                    "a padded replay would see the bucket size there")
-                break
-    batched_outputs, int_outputs, why = _outputs(gm, frozenset(batch_symbols), carriers, bd)
-    unsupported = unsupported or why
-    if first_batched is None and unsupported is None:
-        unsupported = ("no_batch_input", f"no tensor input has a batch dimension (dim {bd}) to pad")
-    lo_hi = (_range(batch_example, batch_symbol) if batch_symbol is not None
-             else (fixed_batch or 1, fixed_batch))
-    devices = frozenset(example_inputs[i].device.type for i in tensors if i not in refs)
-    grad = torch.is_grad_enabled() and any(example_inputs[i].requires_grad for i in tensors)
-    return GraphPlan(final, static, batch_symbol, fixed_batch if batch_symbol is None else None, lo_hi,
-                     batched_outputs, int_outputs, devices, grad, unsupported)
+                self._refuse("batch_value", f"the batch size ({n.name}) is used as a value by "
+                             f"{bad.format_node()}; a padded replay would see the bucket size there")
+                return
+
+    def plan(self) -> GraphPlan:
+        self._classify_tensors()
+        self._tie_batch_like_tensors()
+        carriers = self._classify_scalars()
+        self._check_batch_used_as_size()
+        bd, ex = self.bd, self.examples
+        batched_outputs, int_outputs, why = _outputs(self.gm, frozenset(self.batch_symbols), carriers, bd)
+        if why is not None:
+            self._refuse(*why)
+        if self.first_batched is None:
+            self._refuse("no_batch_input", f"no tensor input has a batch dimension (dim {bd}) to pad")
+        sym, fixed = self.batch_symbol, self.fixed_batch
+        lo_hi = sym_range(self.batch_example, sym) if sym is not None else (fixed or 1, fixed)
+        static = not any(_symbols(f.shape) if isinstance(f, torch.Tensor) else sym_expr(f) is not None
+                         for f in self.fakes)
+        devices = frozenset(ex[i].device.type for i in self.tensors if i not in self.refs)
+        grad = torch.is_grad_enabled() and any(ex[i].requires_grad for i in self.tensors)
+        return GraphPlan(tuple(s for s in self.slots if s is not None), static, sym,
+                         fixed if sym is None else None, lo_hi, batched_outputs, int_outputs, devices, grad,
+                         self.unsupported)
 
 
 def _outputs(gm: fx.GraphModule, batch_symbols: frozenset[Any], carriers: dict[Any, tuple[int, int | None]],
@@ -365,14 +364,14 @@ def _outputs(gm: fx.GraphModule, batch_symbols: frozenset[Any], carriers: dict[A
         v = o.meta.get("example_value") if isinstance(o, fx.Node) else o
         if isinstance(v, torch.Tensor):
             dims = [d for d, s in enumerate(v.shape)
-                    if (e := _expr(s)) is not None and e.free_symbols & batch_symbols]
-            if dims and (dims != [bd] or _expr(v.shape[bd]) not in batch_symbols):
+                    if (e := sym_expr(s)) is not None and e.free_symbols & batch_symbols]
+            if dims and (dims != [bd] or sym_expr(v.shape[bd]) not in batch_symbols):
                 # e.g. (2*s0, C) after a cat, or (C, s0): padded rows cannot be sliced off
                 return (), (), ("output_shape", f"output {k} has shape {tuple(v.shape)}; the batch must be "
                                 f"dimension {bd} of its own to slice the padding off")
             flags.append(bool(dims))
-        elif isinstance(v, torch.SymInt) and _expr(v) is not None:
-            e = _expr(v)
+        elif isinstance(v, torch.SymInt) and sym_expr(v) is not None:
+            e = sym_expr(v)
             if any(s not in carriers for s in e.free_symbols):
                 return (), (), ("int_output", f"output {k} is the size {e}, which no input carries")
             ints.append(IntOutput(k, e, tuple((s, *carriers[s]) for s in sorted(e.free_symbols, key=str))))
@@ -419,20 +418,3 @@ def fx_mutated_inputs(gm: fx.GraphModule) -> frozenset[int]:
                 or node.kwargs.get("out") is not None:
             mutated.add(root)
     return frozenset(mutated)
-
-
-def aot_mutated_inputs(n_inputs: int) -> frozenset[int] | None:
-    """Inputs AOT autograd found mutated in the compile that just ran (None: no metadata).
-
-    Reads the tracing context dynamo sets up around a backend call; the
-    metadata is private PyTorch API, so any surprise means "unknown".
-    """
-    try:
-        ctx = torch._guards.TracingContext.try_get()
-        meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
-        if meta is None or len(meta.input_info) != n_inputs:
-            return None
-        return frozenset(i for i, info in enumerate(meta.input_info)
-                         if info.mutates_data or info.mutates_metadata)
-    except Exception:
-        return None

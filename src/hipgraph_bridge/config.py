@@ -1,32 +1,47 @@
-"""Environment variables gfxgraph reads, parsed in one place.
+"""What configures gfxgraph: every environment variable, parsed here, and the switches ``enable()`` sets.
 
 Every parser names the variable and the accepted values when it rejects one:
 ``GFXGRAPH`` and ``HGB_LOG_LEVEL`` are read at import, so a bad value there is
-a logged warning (an import must not fail over a typo); ``GFXGRAPH_VRAM_CAP``
-and ``GFXGRAPH_LIB`` are read when they are used, and a bad value there is a
-:class:`ConfigError`.
+a logged warning (an import must not fail over a typo); ``GFXGRAPH_VRAM_CAP``,
+``GFXGRAPH_LIB`` and ``GFXGRAPH_RUNTIME`` are read when they are used, and a bad
+value there is a :class:`ConfigError`.
+
+:data:`switches` holds what ``enable()`` turned on. Hot paths read it as
+``config.switches.validate``: two attribute loads, no call, no lock; it is
+replaced whole (never mutated) by :func:`set_switches`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Literal
 
+from .errors import ConfigError
+
 __all__ = [
-    "ConfigError",
     "EnableMode",
     "read_enable_mode",
     "read_log_level",
     "read_vram_cap",
     "check_vram_cap",
     "read_runtime_lib",
+    "read_runtime_kind",
+    "RuntimeKind",
+    "RUNTIME_KINDS",
     "DEFAULT_VRAM_CAP",
+    "Switches",
+    "switches",
+    "set_switches",
 ]
 
 EnableMode = Literal["off", "on", "debug", "validate"]
+RuntimeKind = Literal["auto", "cuda-bindings", "ctypes"]
+RUNTIME_KINDS: tuple[str, ...] = ("auto", "cuda-bindings", "ctypes")
 
 DEFAULT_VRAM_CAP = 0.90
 
@@ -54,10 +69,6 @@ def _warn(msg: str) -> None:
     # at import even where logging is not set up (the library logger has only a NullHandler).
     _log.warning(msg)
     warnings.warn(msg, RuntimeWarning, stacklevel=3)
-
-
-class ConfigError(ValueError):
-    """An environment variable or option holds a value gfxgraph does not accept."""
 
 
 def read_enable_mode(environ: Mapping[str, str] | None = None) -> EnableMode:
@@ -119,7 +130,7 @@ def check_vram_cap(cap: float, *, name: str = "vram_cap") -> float:
 
 
 def read_runtime_lib(environ: Mapping[str, str] | None = None) -> str | None:
-    """Parse ``GFXGRAPH_LIB``: an explicit runtime library path for Tier 2.
+    """Parse ``GFXGRAPH_LIB``: an explicit runtime library for the native runtime layer.
 
     Raises:
         ConfigError: the path is set but is not a regular file.
@@ -134,3 +145,40 @@ def read_runtime_lib(environ: Mapping[str, str] | None = None) -> str | None:
             "libcudart.so* or HIP runtime libamdhip64.so*); it does not exist or is not a file"
         )
     return raw
+
+
+def read_runtime_kind(environ: Mapping[str, str] | None = None) -> RuntimeKind:
+    """Parse ``GFXGRAPH_RUNTIME``: ``auto`` (default), ``cuda-bindings`` or ``ctypes``.
+
+    Raises:
+        ConfigError: any other value.
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get("GFXGRAPH_RUNTIME")
+    if raw is None or not raw.strip():
+        return "auto"
+    value = raw.strip().lower()
+    if value not in RUNTIME_KINDS:
+        raise ConfigError(f"GFXGRAPH_RUNTIME={raw!r}: expected one of {', '.join(RUNTIME_KINDS)}")
+    return value  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Switches:
+    """What ``gfxgraph.enable()`` turned on (all off until it is called)."""
+
+    enabled: bool = False
+    debug: bool = False
+    validate: bool = False  # compare high-level calls with eager, return eager on a mismatch
+
+
+switches = Switches()
+_switch_lock = threading.Lock()
+
+
+def set_switches(**changes: bool) -> Switches:
+    """Replace :data:`switches` with a copy carrying ``changes``; returns the new one."""
+    global switches
+    with _switch_lock:
+        switches = replace(switches, **changes)
+        return switches

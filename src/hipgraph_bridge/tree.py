@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
+
+from ._torch_compat import pytree
 
 __all__ = ["clone_tree", "copy_into", "describe", "check_same_layout"]
 

@@ -1,6 +1,4 @@
-"""Launch pipeline (gap 52): upload ahead, double-buffered executable instances.
-
-The seed's rapid-launch bridge, in Python over the runtime layer, for CUDA and HIP alike:
+"""Launch pipeline: upload ahead, double-buffered executable instances, for CUDA and HIP alike.
 
 * **Upload ahead.** Each executable instance is uploaded to the device on a
   staging stream when it is created or updated, so no launch pays for it.
@@ -20,7 +18,7 @@ The seed's rapid-launch bridge, in Python over the runtime layer, for CUDA and H
 
 Device-side launch (a graph launched by a kernel, CUDA 12+) is not built:
 ``LaunchPipeline(..., device_launch=True)`` raises ``NotImplementedError``
-with the reason (:data:`~hipgraph_bridge.runtime._base.DEVICE_LAUNCH_REASON`).
+with the reason (:data:`~hipgraph_bridge.runtime.DEVICE_LAUNCH_REASON`).
 
 What it will not do: run graphs that hold memory-allocation nodes (the
 ``cudaMallocAsync`` allocator; the runtime allows one executable per such
@@ -33,10 +31,11 @@ from typing import Any
 
 import torch
 
+from ..checks import check_int
+from ..platform import require_gpu
+from ..runtime import DEVICE_LAUNCH_REASON, Event, Graph, GraphExec, Runtime, as_graph, resolve_runtime, \
+    stream_handle
 from .exec_update import UpdateResult, UpdateStrategy, apply_update, check_update_strategy
-from .platform import require_gpu
-from .runtime import Event, Graph, GraphExec, Runtime, as_graph, resolve_runtime, stream_handle
-from .runtime._base import DEVICE_LAUNCH_REASON
 
 __all__ = ["LaunchPipeline"]
 
@@ -66,8 +65,7 @@ class LaunchPipeline:
                  upload: bool = True, device_launch: bool = False) -> None:
         if device_launch:
             raise NotImplementedError(DEVICE_LAUNCH_REASON)
-        if isinstance(instances, bool) or not isinstance(instances, int) or instances < 1:
-            raise ValueError(f"instances: expected an int >= 1, got {instances!r}")
+        check_int("instances", instances, minimum=1)
         require_gpu("LaunchPipeline")
         self._rt = resolve_runtime(runtime)
         self._strategy = check_update_strategy(strategy)

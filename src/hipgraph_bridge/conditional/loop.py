@@ -1,4 +1,4 @@
-"""DeviceWhileLoop: a data-dependent while loop captured into one graph (gap 51).
+"""DeviceWhileLoop: a data-dependent while loop captured into one graph.
 
 Workflow::
 
@@ -25,7 +25,7 @@ Workflow::
 4. ``max_iters`` caps the iterations on every strategy.
 
 Strategies (:attr:`DeviceWhileLoop.strategy`), chosen by one cached probe
-(:func:`~hipgraph_bridge.cond_nodes.conditional_support`):
+(:func:`~.support.conditional_support`):
 
 * ``"native"`` (CUDA >= 12.4): a WHILE node; the setter kernel counts the
   iteration, evaluates the condition and stops at the cap, all on the device.
@@ -36,7 +36,7 @@ Strategies (:attr:`DeviceWhileLoop.strategy`), chosen by one cached probe
 * ``"eager"``: no GPU graphs (CPU-only PyTorch) or a failed capture.
 
 What it will not do: nest loops on the native path, run random-number ops in
-the body (see :mod:`.cond_nodes`), or loop without a cap.
+the body (see :mod:`.native_nodes`), or loop without a cap.
 """
 
 from __future__ import annotations
@@ -48,10 +48,15 @@ from typing import Any, Literal
 
 import torch
 
-from . import stats as _stats
-from .capture_state import frozen_gc
-from .log import logger
-from .tree_utils import describe
+from .. import stats
+from ..checks import check_int
+from ..graph.bridged import SafeCUDAGraph
+from ..graph.capture import frozen_gc
+from ..log import logger
+from ..tree import describe
+from .kernels import COMPARE_OPS, dtype_kind
+from .native_nodes import BodyPool, NativeConditional, side_stream
+from .support import choose_strategy
 
 __all__ = ["DeviceWhileLoop", "LoopCondition", "LoopStrategy", "LOOP_STRATEGIES", "resolve_loop_strategy"]
 
@@ -79,8 +84,7 @@ class LoopCondition:
     value: int | float = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.index, bool) or not isinstance(self.index, int) or self.index < 0:
-            raise ValueError(f"LoopCondition.index: expected an int >= 0, got {self.index!r}")
+        check_int("LoopCondition.index", self.index)
         if self.op not in _OPS:
             raise ValueError(f"LoopCondition.op: expected one of {', '.join(_OPS)}, got {self.op!r}")
         if isinstance(self.value, bool) or not isinstance(self.value, (int, float)):
@@ -101,10 +105,9 @@ def resolve_loop_strategy(requested: str) -> tuple[str, str]:
         ValueError: an unknown strategy.
         RuntimeError: ``"native"`` forced where WHILE nodes are unsupported.
     """
-    from .cond_nodes import choose_strategy
-
     return choose_strategy(requested, LOOP_STRATEGIES, native_supported=lambda s: s.while_loop,
-                           nodes="WHILE nodes", supported_nodes="WHILE nodes", fallback="host", fallback_what="the host-driven loop")
+                           nodes="WHILE nodes", supported_nodes="WHILE nodes", fallback="host",
+                           fallback_what="the host-driven loop")
 
 
 class DeviceWhileLoop:
@@ -131,8 +134,7 @@ class DeviceWhileLoop:
             raise ValueError(f"max_iters: expected an int in [0, 2**31), got {max_iters!r}")
         if strategy not in LOOP_STRATEGIES:
             raise ValueError(f"strategy: expected one of {', '.join(LOOP_STRATEGIES)}, got {strategy!r}")
-        if isinstance(warmup_iters, bool) or not isinstance(warmup_iters, int) or warmup_iters < 0:
-            raise ValueError(f"warmup_iters: expected an int >= 0, got {warmup_iters!r}")
+        check_int("warmup_iters", warmup_iters)
         tensors = _as_state("state", state)
         devices = {t.device for t in tensors}
         if len(devices) != 1:
@@ -229,18 +231,12 @@ class DeviceWhileLoop:
     def _streams_for_capture(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
         streams = self._streams
         if streams is None:
-            from .cond_nodes import side_stream
-
             outer = torch.cuda.Stream(device=self._device)
             streams = (outer, side_stream(self._device.index, avoid=[outer]))
             self._streams = streams
         return streams
 
     def _capture_native(self) -> None:
-        from .cond_nodes import BodyPool, NativeConditional
-        from .graph_manager import BridgedCUDAGraph
-        from .nvrtc_kernels import COMPARE_OPS, dtype_kind
-
         outer, body_stream = self._streams_for_capture()
         pool = BodyPool(self._device.index)
         native = NativeConditional(device=self._device.index, body_stream=body_stream, pool=pool)
@@ -259,36 +255,20 @@ class DeviceWhileLoop:
             native.launch_loop_step(handle, value, kind=dtype_kind(value.dtype), op=op, rhs_i=rhs_i,
                                     rhs_f=rhs_f, counter=self._counter, max_iters=self.max_iters, first=first)
 
-        g = BridgedCUDAGraph()
+        g = SafeCUDAGraph()
         outer.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad(), torch.cuda.stream(outer):
-            g.capture_begin(pool=torch.cuda.graph_pool_handle())
-            try:
-                native.while_loop(step, self._apply_body)
-            except BaseException as exc:
-                g._discard(f"while-loop capture raised {type(exc).__name__}: {exc}", capture_ended=False)
-                raise
-            g.capture_end()
-        torch.cuda.current_stream().wait_stream(outer)
+        with torch.no_grad(), g.capturing(stream=outer):
+            native.while_loop(step, self._apply_body)
         self._graph, self._pool = g, pool
 
     def _capture_host(self) -> None:
-        from .graph_manager import BridgedCUDAGraph
-
         outer, _ = self._streams_for_capture()
-        self._flag = torch.zeros((), dtype=torch.bool, device=self._device)
-        g = BridgedCUDAGraph()
+        flag = self._flag = torch.zeros((), dtype=torch.bool, device=self._device)
+        g = SafeCUDAGraph()
         outer.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad(), torch.cuda.stream(outer):
-            g.capture_begin(pool=torch.cuda.graph_pool_handle())
-            try:
-                self._apply_body()
-                self._flag.copy_(self._cond_tensor().reshape(()) != 0)
-            except BaseException as exc:
-                g._discard(f"loop step capture raised {type(exc).__name__}: {exc}", capture_ended=False)
-                raise
-            g.capture_end()
-        torch.cuda.current_stream().wait_stream(outer)
+        with torch.no_grad(), g.capturing(stream=outer):
+            self._apply_body()
+            flag.copy_(self._cond_tensor().reshape(()) != 0)
         self._graph = g
 
     # ------------------------------------------------------------- the body
@@ -334,7 +314,7 @@ class DeviceWhileLoop:
                     if v is not s:
                         s.copy_(v)
             if self._strategy == "native":
-                self._graph._launch()
+                self._graph.replay()
             elif self._strategy == "host":
                 self._run_host()
             else:
@@ -349,14 +329,14 @@ class DeviceWhileLoop:
         with torch.no_grad():
             go = bool(self._cond_tensor().reshape(()).item())
             while go and done < self.max_iters:
-                self._graph._launch()
+                self._graph.replay()
                 done += 1
                 go = bool(self._flag.item())
         self._counter.fill_(done)
 
     def _run_eager(self) -> None:
         reason, detail = self._fallback or ("eager", "")
-        _stats.record_fallback(reason, detail)
+        stats.record_fallback(reason, detail)
         done = 0
         with torch.no_grad():
             go = bool(self._cond_tensor().reshape(()).item())
@@ -401,8 +381,6 @@ def _check_condition(cond: LoopCondition, state: tuple[torch.Tensor, ...]) -> No
     t = state[cond.index]
     if t.numel() != 1:
         raise ValueError(f"LoopCondition: state[{cond.index}] must hold one element, got shape {tuple(t.shape)}")
-    from .nvrtc_kernels import dtype_kind
-
     kind = dtype_kind(t.dtype)
     if kind < 5 and cond.op != "nonzero" and not float(cond.value).is_integer():
         raise TypeError(f"LoopCondition.value: state[{cond.index}] is {t.dtype}; expected an integer value, "

@@ -1,4 +1,4 @@
-"""Native exec update (gap 53): re-capture into an existing executable graph.
+"""Exec update: re-capture into an existing executable graph instead of instantiating a new one.
 
 When a graph is captured again with the same topology (same nodes in the
 same order; kernel arguments, pointers and scalars may differ), the runtime's
@@ -24,14 +24,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import torch
-
-from .capture_state import GraphState
-from .errors import GraphCaptureError
-from .graph_manager import BridgedCUDAGraph
-from .log import logger
-from .platform import require_gpu
-from .runtime import Graph, GraphExec, Runtime, as_graph, resolve_runtime, stream_handle
+from ..graph.bridged import SafeCUDAGraph
+from ..graph.capture import side_stream
+from ..log import logger
+from ..platform import require_gpu
+from ..runtime import Graph, GraphExec, Runtime, as_graph, resolve_runtime, stream_handle
 
 __all__ = ["UpdateResult", "UpdateStrategy", "apply_update", "check_update_strategy",
            "UpdatableGraph", "Recapture"]
@@ -193,12 +190,10 @@ class UpdatableGraph:
         The result is in the yielded handle's ``result`` after the block.
         """
         require_gpu("UpdatableGraph.recapture")
-        g = BridgedCUDAGraph(keep_graph=True)
+        g = SafeCUDAGraph(keep_graph=True)
         handle = Recapture(g)
-        with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
+        with g.capturing(pool=pool, stream=side_stream(stream), capture_error_mode=capture_error_mode):
             yield handle
-        if g.state is not GraphState.READY:
-            raise GraphCaptureError(f"recapture failed: {g.failure_reason}")
         handle.result = self.update(g)
 
     def close(self) -> None:

@@ -1,4 +1,4 @@
-"""Graph compositor (gap 54): captured graphs composed as child-graph nodes of one graph.
+"""Graph compositor: captured graphs composed as child-graph nodes of one graph.
 
 CUDA and HIP cannot nest stream captures, but both can embed a captured graph
 into another as a child-graph node, with dependency edges between nodes.
@@ -50,12 +50,12 @@ from typing import Any, Literal
 
 import torch
 
-from .capture_state import GraphState
-from .errors import GraphCaptureError, GraphRuntimeError
-from .graph_manager import BridgedCUDAGraph
-from .log import logger
-from .platform import require_gpu
-from .runtime import Graph, GraphExec, GraphNode, Runtime, as_graph, resolve_runtime, stream_handle
+from ..errors import GraphRuntimeError
+from ..graph.bridged import SafeCUDAGraph
+from ..graph.capture import side_stream
+from ..log import logger
+from ..platform import require_gpu
+from ..runtime import Graph, GraphExec, GraphNode, Runtime, as_graph, resolve_runtime, stream_handle
 
 __all__ = ["GraphCompositor", "CompositorState", "SwapResult", "StageCapture", "SwapStrategy",
            "validate_dag"]
@@ -299,8 +299,8 @@ class GraphCompositor:
         """Capture the body as child ``name``, running after the children in ``after``.
 
         The body is captured into a ``BridgedCUDAGraph(keep_graph=True)`` on
-        ``stream`` (default: PyTorch's capture stream), so a failed capture is
-        ended cleanly and raised. Warm the body's ops up first, as for
+        ``stream`` (default: a side stream), so a failed capture is ended
+        cleanly and raised. Warm the body's ops up first, as for
         ``torch.cuda.graph``. ``after`` must name children that already exist.
         """
         require_gpu("GraphCompositor.stage")
@@ -315,12 +315,10 @@ class GraphCompositor:
                              f"expected names among {sorted(self._children)}")
         shared = self._shared_pool(deps)
         pool, members = shared if shared is not None else (torch.cuda.graph_pool_handle(), None)
-        g = BridgedCUDAGraph(keep_graph=True)
+        g = SafeCUDAGraph(keep_graph=True)
         cap = StageCapture(name, g)
-        with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
+        with g.capturing(pool=pool, stream=side_stream(stream), capture_error_mode=capture_error_mode):
             yield cap
-        if g.state is not GraphState.READY:
-            raise GraphCaptureError(f"stage {name!r}: capture failed: {g.failure_reason}")
         self._children[name] = Graph.from_torch(g, runtime=self._rt)
         self._after[name] = deps
         if members is None:
@@ -444,12 +442,10 @@ class GraphCompositor:
         require_gpu("GraphCompositor.restage")
         self._require(CompositorState.READY, "restage")
         name = self._known(name)
-        g = BridgedCUDAGraph(keep_graph=True)
+        g = SafeCUDAGraph(keep_graph=True)
         cap = StageCapture(name, g)
-        with torch.cuda.graph(g, stream=stream, capture_error_mode=capture_error_mode):
+        with g.capturing(stream=side_stream(stream), capture_error_mode=capture_error_mode):
             yield cap
-        if g.state is not GraphState.READY:
-            raise GraphCaptureError(f"restage {name!r}: capture failed: {g.failure_reason}")
         cap.result = self.replace(name, g)
 
     # --------------------------------------------------------------- lifetime

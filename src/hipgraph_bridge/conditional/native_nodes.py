@@ -1,11 +1,11 @@
-"""Native CUDA conditional nodes inside a PyTorch stream capture (gap 51, CUDA path).
+"""Native CUDA conditional nodes inside a PyTorch stream capture.
 
 PyTorch captures kernels into a graph but offers no public way to make part
 of that graph conditional. :class:`NativeConditional` adds one while a capture
 is running on the current stream:
 
 1. a conditional handle is created for the capturing graph;
-2. a one-thread setter kernel (see :mod:`.nvrtc_kernels`) is captured; at
+2. a one-thread setter kernel (see :mod:`.kernels`) is captured; at
    replay it reads a device tensor and sets the handle's value;
 3. the conditional node (IF, IF/ELSE, SWITCH or WHILE) is added after the
    stream's current dependencies, and the stream is made to depend on it;
@@ -24,10 +24,7 @@ What it will not do: nest a conditional inside a body captured by the same
 :class:`NativeConditional` (its side stream is busy; use another instance),
 capture random-number ops inside a body (PyTorch's generator offsets are not
 advanced per iteration, so a loop would draw the same numbers every time), or
-run on HIP (no conditional nodes: see :mod:`.conditional` for the emulations).
-
-:func:`conditional_support` is the one cached probe of what the driver and
-binding support; every strategy choice reads it.
+run on HIP (no conditional nodes: see :mod:`.strategies` for the emulations).
 """
 
 from __future__ import annotations
@@ -37,104 +34,17 @@ import ctypes
 import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .errors import GraphCaptureError, GraphRuntimeError
-from .log import logger
-from .platform import probe
-from .runtime._base import (
-    CAPTURE_MODE_THREAD_LOCAL,
-    COND_IF,
-    COND_SWITCH,
-    COND_WHILE,
-    HIP_NO_CONDITIONAL,
-    Runtime,
-)
+from ..errors import GraphCaptureError, GraphRuntimeError
+from ..graph.capture import capture_on_stream
+from ..log import logger
+from ..runtime import CAPTURE_MODE_THREAD_LOCAL, COND_IF, COND_SWITCH, COND_WHILE, Runtime, get_runtime
+from .kernels import launch, setter_kernels
 
-__all__ = ["ConditionalSupport", "conditional_support", "BodyPool", "NativeConditional", "side_stream",
-           "MIN_WHILE_VERSION", "MIN_SWITCH_VERSION"]
-
-MIN_WHILE_VERSION = 12040  # IF with one body and WHILE, captured into a running capture
-MIN_SWITCH_VERSION = 12080  # IF with two bodies (IF/ELSE) and SWITCH
-
-
-def _version_text(v: int) -> str:
-    return f"{v // 1000}.{(v % 1000) // 10}" if v else "unknown"
-
-
-@dataclass(frozen=True)
-class ConditionalSupport:
-    """What this process can do with native conditional nodes (one cached probe).
-
-    ``while_loop``: WHILE and single-body IF (CUDA >= 12.4 driver and runtime).
-    ``if_else``/``switch``: two-body IF and SWITCH (CUDA >= 12.8).
-    ``reason`` says what is missing (None when everything is there).
-    """
-
-    while_loop: bool
-    if_else: bool
-    switch: bool
-    driver_version: int
-    runtime_version: int
-    reason: str | None
-
-    @property
-    def branches(self) -> bool:
-        """Whether device-selected branches (IF/ELSE and SWITCH) are native."""
-        return self.if_else and self.switch
-
-
-@functools.lru_cache(maxsize=1)
-def conditional_support() -> ConditionalSupport:
-    """Probe once: backend, cuda-bindings, driver/runtime versions, NVRTC. Logged at debug."""
-    support = _probe_support()
-    logger.debug("gfxgraph: conditional nodes: while=%s if_else=%s switch=%s (driver %s, runtime %s)%s",
-                 support.while_loop, support.if_else, support.switch,
-                 _version_text(support.driver_version), _version_text(support.runtime_version),
-                 f": {support.reason}" if support.reason else "")
-    return support
-
-
-def _probe_support() -> ConditionalSupport:
-    def none(reason: str, drv: int = 0, rtv: int = 0) -> ConditionalSupport:
-        return ConditionalSupport(False, False, False, drv, rtv, reason)
-
-    plat = probe()
-    if plat.backend is None:
-        return none(plat.reason or "no GPU")
-    if plat.backend == "hip":
-        return none(HIP_NO_CONDITIONAL)
-    try:
-        from .runtime import get_runtime
-
-        rt = get_runtime("cuda-bindings")
-    except Exception as exc:  # missing binding: the message names the extra to install
-        return none(f"native conditional nodes need cuda-bindings: {exc}")
-    missing = rt.conditional_nodes_reason()
-    caps = rt.capabilities
-    drv, rtv = caps.driver_version, caps.runtime_version
-    if missing:
-        return none(missing, drv, rtv)
-    from .nvrtc_kernels import nvrtc_unavailable_reason
-
-    why = nvrtc_unavailable_reason()
-    if why:
-        return none(f"the value-setter kernels need NVRTC: {why}", drv, rtv)
-    version = min(drv, rtv)
-    has_switch = hasattr(getattr(rt, "_rt", None), "cudaGraphConditionalNodeType") and hasattr(
-        rt._rt.cudaGraphConditionalNodeType, "cudaGraphCondTypeSwitch")  # type: ignore[attr-defined]
-    while_ok = version >= MIN_WHILE_VERSION
-    branch_ok = version >= MIN_SWITCH_VERSION and has_switch
-    reason = None
-    if not branch_ok:
-        reason = (f"IF/ELSE and SWITCH nodes need CUDA >= {_version_text(MIN_SWITCH_VERSION)} in both the "
-                  f"driver ({_version_text(drv)}) and the runtime ({_version_text(rtv)})")
-        if not while_ok:
-            reason += f"; WHILE needs >= {_version_text(MIN_WHILE_VERSION)}"
-    return ConditionalSupport(while_ok, branch_ok, branch_ok, drv, rtv, reason)
+__all__ = ["BodyPool", "NativeConditional", "side_stream"]
 
 
 def side_stream(device: int, *, avoid: Sequence[torch.cuda.Stream] = ()) -> torch.cuda.Stream:
@@ -168,6 +78,11 @@ class BodyPool:
         mem_pool = getattr(torch.cuda, "MemPool", None)
         self._use = getattr(torch.cuda, "use_mem_pool", None)
         self._pool: Any = mem_pool() if mem_pool is not None and self._use is not None else None
+
+    @property
+    def pool_id(self) -> Any:
+        """The id of the memory pool bodies allocate from (None when not routed)."""
+        return None if self._pool is None else self._pool.id
 
     @property
     def routes(self) -> bool:
@@ -216,9 +131,6 @@ class NativeConditional:
 
     def __init__(self, *, device: int, body_stream: torch.cuda.Stream, pool: BodyPool,
                  runtime: Runtime | None = None) -> None:
-        from .nvrtc_kernels import setter_kernels
-        from .runtime import get_runtime
-
         self.device = int(device)
         self._rt = runtime if runtime is not None else get_runtime("cuda-bindings")
         why = self._rt.conditional_nodes_reason()
@@ -268,7 +180,7 @@ class NativeConditional:
     def while_loop(self, step: Callable[[int, bool], None], body: Callable[[], None]) -> None:
         """WHILE: ``step(handle, True)`` is captured before the node, and ``body`` then
         ``step(handle, False)`` form the loop body. ``step`` must launch
-        :func:`~hipgraph_bridge.nvrtc_kernels.launch` of the loop-step kernel
+        :func:`~hipgraph_bridge.conditional.kernels.launch` of the loop-step kernel
         (see :meth:`launch_loop_step`); the loop runs while it sets a non-zero value."""
 
         def loop_body(handle: int) -> None:
@@ -279,7 +191,7 @@ class NativeConditional:
 
     def launch_loop_step(self, handle: int, value: torch.Tensor, *, kind: int, op: int, rhs_i: int,
                          rhs_f: float, counter: torch.Tensor, max_iters: int, first: bool) -> None:
-        """Capture one loop-step kernel on the current stream (see :mod:`.nvrtc_kernels`)."""
+        """Capture one loop-step kernel on the current stream (see :mod:`.kernels`)."""
         self._launch(self._kernels.loop_step, [
             (ctypes.c_ulonglong, handle), (ctypes.c_void_p, value.data_ptr()), (ctypes.c_int, kind),
             (ctypes.c_int, op), (ctypes.c_longlong, rhs_i), (ctypes.c_double, rhs_f),
@@ -288,8 +200,6 @@ class NativeConditional:
 
     # -------------------------------------------------------------- mechanics
     def _launch(self, fn: Any, args: list[tuple[Any, Any]]) -> None:
-        from .nvrtc_kernels import launch
-
         launch(fn, args, torch.cuda.current_stream(self.device).cuda_stream, device=self.device)
 
     def _add(self, cond_type: int, size: int, set_value: Callable[[int], None],
@@ -349,37 +259,11 @@ class NativeConditional:
             logger.log(logging.DEBUG, "gfxgraph: ending a failed body capture raised: %s", exc)
 
 
-def choose_strategy(requested: str, strategies: tuple[str, ...], *, native_supported: Callable[[Any], bool],
-                    nodes: str, supported_nodes: str, fallback: str, fallback_what: str) -> tuple[str, str]:
-    """Shared strategy rule of ConditionalGraph and DeviceWhileLoop: (strategy, why).
-
-    No GPU: ``"eager"``. A non-native strategy asked for by name: that one. Otherwise
-    ``"native"`` when ``native_supported(conditional_support())``, else ``fallback``
-    (or RuntimeError when ``"native"`` was forced).
-    """
-    if requested not in strategies:
-        raise ValueError(f"strategy: expected one of {', '.join(strategies)}, got {requested!r}")
-    plat = probe()
-    if not plat.graphs_available:
-        return "eager", plat.reason or "no GPU"
-    if requested not in ("auto", "native"):
-        return requested, f"strategy={requested!r} was requested"
-    support = conditional_support()
-    if native_supported(support):
-        return "native", f"the driver and cuda-bindings support {supported_nodes}"
-    if requested == "native":
-        raise RuntimeError(f"strategy='native' needs CUDA {nodes}: {support.reason}; "
-                           f"use strategy='auto' to fall back to {fallback_what}")
-    return fallback, f"native {nodes} unavailable: {support.reason}"
-
-
 def _mark_outer_unsafe(outer_stream: int) -> None:
     """The outer graph now holds a node whose body capture failed: it must be leaked, not freed."""
-    from .capture_state import capture_on_stream
-
-    owner = capture_on_stream(outer_stream)
-    if owner is not None:
-        owner._unsafe_partial_graph = True  # type: ignore[attr-defined]
+    capture = capture_on_stream(outer_stream)
+    if capture is not None:
+        capture.mark_partial_graph_unsafe()
     else:
         logger.warning("gfxgraph: a conditional body capture failed inside a capture gfxgraph does not own; "
                        "end that capture without instantiating or destroying its graph")

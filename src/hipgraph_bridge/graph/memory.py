@@ -12,7 +12,6 @@ import torch
 
 __all__ = ["graph_pool_bytes", "device_memory", "exceeds_vram_cap"]
 
-
 def _as_pool_key(pool: object) -> tuple[int, int]:
     a, b = pool  # type: ignore[misc]  # _POOL_HANDLE is a (int, int) tuple
     return (int(a), int(b))
@@ -43,12 +42,10 @@ def graph_pool_bytes(pools: Iterable[object] | None = None, *, device: int | Non
             total += int(seg["total_size"])
     return total
 
-
 def device_memory(device: int | None = None) -> tuple[int, int]:
     """(free, total) bytes on ``device`` as the driver reports them."""
     free, total = torch.cuda.mem_get_info(device)
     return int(free), int(total)
-
 
 def exceeds_vram_cap(extra_bytes: int, cap: float, device: int | None = None) -> tuple[bool, str]:
     """Whether using ``extra_bytes`` more would push device use past ``cap`` of total.

@@ -22,21 +22,9 @@ from typing import Any
 
 import torch
 
+from .._torch_compat import non_owning_view, storage_use_count, weak_view_supported
+
 __all__ = ["release_outputs"]
-
-_construct = getattr(torch._C, "_construct_storage_from_data_pointer", None)
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
-
-
-def _storage_refs(t: torch.Tensor) -> int:
-    # the temporary storage object made here holds one reference itself
-    return int(_use_count(t.untyped_storage()._cdata)) - 1  # type: ignore[misc]
-
-
-def _non_owning(t: torch.Tensor) -> torch.Tensor:
-    storage = t.untyped_storage()
-    weak = _construct(storage.data_ptr(), t.device, storage.nbytes())  # type: ignore[misc]
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(weak, t.storage_offset(), t.size(), t.stride())
 
 
 def release_outputs(leaves: list[Any]) -> list[Any]:
@@ -46,7 +34,7 @@ def release_outputs(leaves: list[Any]) -> list[Any]:
     original outputs for the memory to return to the pool. Without the PyTorch
     internals this needs, the leaves are returned unchanged (still correct, more memory).
     """
-    if _construct is None or _use_count is None:
+    if not weak_view_supported:
         return leaves
     groups: dict[int, list[int]] = {}
     for i, leaf in enumerate(leaves):
@@ -54,7 +42,7 @@ def release_outputs(leaves: list[Any]) -> list[Any]:
             groups.setdefault(leaf.untyped_storage().data_ptr(), []).append(i)
     out = list(leaves)
     for idxs in groups.values():
-        if _storage_refs(leaves[idxs[0]]) == len(idxs):
+        if storage_use_count(leaves[idxs[0]]) == len(idxs):
             for i in idxs:
-                out[i] = _non_owning(leaves[i])
+                out[i] = non_owning_view(leaves[i])
     return out

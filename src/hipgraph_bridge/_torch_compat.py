@@ -1,0 +1,304 @@
+"""Every private PyTorch API gfxgraph touches, and the path each torch version takes.
+
+Nothing else in the package reads an underscore name of torch. Each accessor
+below is probed once; :func:`describe` reports the path this process took
+(``gfxgraph doctor --json`` and the tests print it). Supported: torch >= 2.6.
+
+=============================  ==========================================  ======================================
+what                           torch 2.6 - 2.12 (device: 2.11)             torch 2.13+ (CI: 2.13 CPU)
+=============================  ==========================================  ======================================
+``torch.utils._pytree``        argument and output trees (no public twin)  same
+replay entry point             ``torch._C._CUDAGraph.replay`` when the     the Python ``CUDAGraph.replay`` (it
+                               Python wrapper only delegates               checks input liveness when asked)
+``check_input_liveness``       absent: debug mode records the captured     passed to ``capture_begin``
+                               inputs' storages itself
+pool release after a failed    ``_cuda_endAllocateToPool`` +               same
+capture                        ``_cuda_releasePool`` (CUDA/ROCm builds)
+non-owning output views        ``_construct_storage_from_data_pointer``,   same
+                               ``_storage_Use_Count``; absent: outputs
+                               stay owned (correct, more memory)
+current raw stream             ``_cuda_getCurrentRawStream`` (GPU builds)  same
+parameter address check        ``_tensors_data_ptrs_at_indices_equal``     same
+                               (GPU builds; else a Python loop)
+region raised in               reads ``args`` of ``torch.cuda.graph``'s    same
+``torch.cuda.graph``           ``__exit__`` frame (it calls capture_end
+                               without the exception)
+symbolic sizes                 ``SymInt.node.expr``/``hint``,              same
+                               ``shape_env.bound_sympy``
+dynamo / inductor              ``compile_fx``, ``list_mode_options``,      same
+                               ``get_static_address_type``, the backend
+                               registry, ``TracingContext.fw_metadata``
+=============================  ==========================================  ======================================
+
+Function-local imports here are of ``torch._dynamo``/``torch._inductor``:
+importing them costs over a second, and only compiled code needs them.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.cuda.graphs
+from torch.utils import _pytree as pytree
+
+__all__ = [
+    "pytree",
+    "OriginalCUDAGraph",
+    "base_replay",
+    "has_check_input_liveness",
+    "graph_context_raised",
+    "end_allocate_to_pool",
+    "weak_view_supported",
+    "storage_use_count",
+    "non_owning_view",
+    "current_raw_stream",
+    "pointers_equal",
+    "sym_expr",
+    "sym_hint",
+    "sym_range",
+    "static_address_type",
+    "aot_mutated_inputs",
+    "compile_fx",
+    "mode_options",
+    "cpp_compiler_problem",
+    "dynamo_registry",
+    "lookup_backend",
+    "is_dynamo_signal",
+    "describe",
+]
+
+# Taken at first import, before gfxgraph.enable() can swap torch.cuda.CUDAGraph.
+OriginalCUDAGraph: type = torch.cuda.graphs.CUDAGraph
+
+
+# ------------------------------------------------------------------ capture / replay
+def _pick_base_replay() -> Callable[[Any], None]:
+    # The wrapper frame is ~150 ns of the hot path on a slow host; calling the C++
+    # method is the same operation unless the wrapper does more (2.13's liveness check).
+    py_replay = OriginalCUDAGraph.replay
+    cpp_replay = getattr(getattr(torch._C, "_CUDAGraph", None), "replay", None)
+    code = getattr(py_replay, "__code__", None)
+    if cpp_replay is not None and code is not None and set(code.co_names) <= {"super", "replay"}:
+        return cpp_replay
+    return py_replay
+
+
+base_replay = _pick_base_replay()
+has_check_input_liveness = "check_input_liveness" in inspect.signature(OriginalCUDAGraph.capture_begin).parameters
+_GRAPH_EXIT = getattr(torch.cuda.graphs.graph.__exit__, "__code__", None)
+
+
+def graph_context_raised(depth: int = 2) -> bool | None:
+    """Whether ``capture_end`` is being called by ``torch.cuda.graph.__exit__`` for a region that raised.
+
+    True/False when the caller ``depth`` frames up is that ``__exit__`` (it
+    passes no exception to ``capture_end``, so its frame's ``args`` are read);
+    None when ``capture_end`` was called some other way (then it was asked for
+    explicitly, and the region did not raise).
+    """
+    frame = sys._getframe(depth)
+    if frame.f_code is not _GRAPH_EXIT:
+        return None
+    args = frame.f_locals.get("args")
+    return bool(args) and args[0] is not None
+
+
+def end_allocate_to_pool(device: int, pool: tuple[int, int]) -> tuple[bool, str]:
+    """Undo the allocator's begin-allocate-to-pool of a capture that never ended.
+
+    Returns (released, why not). PyTorch's ``capture_end`` skips this when
+    ``cudaStreamEndCapture`` fails, which would leave the pool referenced
+    forever and a dead capture filter consulted on every allocation.
+    """
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    release = getattr(torch._C, "_cuda_releasePool", None)
+    if end is None or release is None:
+        return False, "this PyTorch has no _cuda_endAllocateToPool/_cuda_releasePool"
+    try:
+        end(device, pool)
+    except Exception as exc:  # not recording to this pool: its reference was never taken
+        return False, f"not being recorded to: {exc}"
+    try:
+        release(device, pool)
+    except Exception as exc:
+        return False, f"release failed: {exc}"
+    return True, ""
+
+
+# ------------------------------------------------------------------ storages and streams
+_construct = getattr(torch._C, "_construct_storage_from_data_pointer", None)
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+weak_view_supported = _construct is not None and _use_count is not None
+
+
+def storage_use_count(t: torch.Tensor) -> int:
+    """References to ``t``'s storage, not counting the one this call makes."""
+    return int(_use_count(t.untyped_storage()._cdata)) - 1  # type: ignore[misc]
+
+
+def non_owning_view(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s memory that does not keep the memory allocated."""
+    storage = t.untyped_storage()
+    weak = _construct(storage.data_ptr(), t.device, storage.nbytes())  # type: ignore[misc]
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(weak, t.storage_offset(), t.size(), t.stride())
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_get_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def current_raw_stream() -> int | None:
+    """The current stream's handle on the current device (None without a GPU build)."""
+    if _raw_stream is None or _get_device is None:
+        return None
+    return _raw_stream(_get_device())
+
+
+def _pointers_equal_py(args: Sequence[Any], ptrs: list[int | None], idx: list[int]) -> bool:
+    return all(args[i].data_ptr() == ptrs[i] for i in idx)
+
+
+@functools.lru_cache(maxsize=1)
+def _pointer_check() -> Callable[[Sequence[Any], list[int | None], list[int]], bool]:
+    fast = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+    if fast is None:
+        return _pointers_equal_py
+    t = torch.zeros(2)
+    try:  # the same check inductor's CUDA graphs make per call; trusted once it passes a self-test
+        if fast([t, 3], [t.data_ptr(), None], [0]) and not fast([t, 3], [t.data_ptr() + 4, None], [0]):
+            return lambda args, ptrs, idx: fast(list(args), ptrs, idx)
+    except Exception:
+        pass
+    return _pointers_equal_py
+
+
+def pointers_equal(args: Sequence[Any], ptrs: list[int | None], idx: list[int]) -> bool:
+    """Whether ``args[i].data_ptr() == ptrs[i]`` for every ``i`` in ``idx`` (hot path)."""
+    return _pointer_check()(args, ptrs, idx)
+
+
+# ------------------------------------------------------------------ symbolic shapes
+def sym_expr(v: Any) -> Any:
+    """The sympy expression of a SymInt (None for a plain int or a specialised SymInt)."""
+    if isinstance(v, torch.SymInt):
+        e = v.node.expr
+        return None if e.is_number else e
+    return None
+
+
+def sym_hint(v: Any) -> int | None:
+    """A SymInt's example value without guarding on it (``int(s)`` would specialise it)."""
+    if isinstance(v, torch.SymInt):
+        h = getattr(v.node, "hint", None)
+        return h if isinstance(h, int) else None
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def sym_range(example: Any, symbol: Any) -> tuple[int, int | None]:
+    """The values ``symbol`` may take under the frame's guards: dynamo specialises 0 and 1, so usually [2, inf)."""
+    try:
+        vr = example.node.shape_env.bound_sympy(symbol)
+        lo = max(1, int(vr.lower))
+    except Exception:  # no shape env to ask: assume the usual 0/1 specialisation
+        return 2, None
+    try:
+        hi: int | None = int(vr.upper)
+    except Exception:  # int_oo: unbounded
+        hi = None
+    if hi is not None and hi >= 2**62:
+        hi = None
+    return lo, hi
+
+
+# ------------------------------------------------------------------ dynamo and inductor
+def static_address_type(t: torch.Tensor) -> Any:
+    """Dynamo's static-address mark of ``t`` (parameters, buffers, ``mark_static_address``), or None."""
+    try:
+        from torch._dynamo.utils import get_static_address_type  # heavy: only compiled code gets here
+    except ImportError:
+        return None
+    return get_static_address_type(t)
+
+
+def aot_mutated_inputs(n_inputs: int) -> frozenset[int] | None:
+    """Inputs AOT autograd found mutated in the compile that just ran (None: no metadata)."""
+    try:
+        ctx = torch._guards.TracingContext.try_get()
+        meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+        if meta is None or len(meta.input_info) != n_inputs:
+            return None
+        return frozenset(i for i, info in enumerate(meta.input_info)
+                         if info.mutates_data or info.mutates_metadata)
+    except Exception:  # private metadata: any surprise means "unknown"
+        return None
+
+
+def compile_fx(gm: torch.fx.GraphModule, args: list[Any], config_patches: dict[str, Any]) -> Any:
+    """Inductor's compile of a dynamo subgraph."""
+    from torch._inductor.compile_fx import compile_fx as _compile_fx  # heavy: imports inductor
+
+    return _compile_fx(gm, args, config_patches=config_patches)
+
+
+def mode_options(mode: str) -> dict[str, Any]:
+    """Inductor's config for ``torch.compile(mode=...)``."""
+    from torch._inductor import list_mode_options  # heavy: imports inductor
+
+    return dict(list_mode_options(mode))
+
+
+@functools.lru_cache(maxsize=1)
+def cpp_compiler_problem() -> str | None:
+    """Why inductor cannot build CPU kernels here (None: a C++ compiler was found)."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler  # heavy: imports inductor
+
+        get_cpp_compiler()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def dynamo_registry() -> Any:
+    """Dynamo's backend registry module, or None when dynamo is not imported yet."""
+    if "torch._dynamo" not in sys.modules:
+        return None
+    from torch._dynamo.backends import registry  # dynamo is loaded already (checked above)
+
+    return registry
+
+
+def lookup_backend(name: str) -> Any:
+    from torch._dynamo.backends.registry import lookup_backend as _lookup  # heavy: imports dynamo
+
+    return _lookup(name)
+
+
+def is_dynamo_signal(exc: BaseException) -> bool:
+    """Whether ``exc`` is one dynamo uses for control flow (it must reach dynamo)."""
+    dexc = sys.modules.get("torch._dynamo.exc")
+    if dexc is None:
+        return False
+    signals = tuple(t for t in (getattr(dexc, "SkipFrame", None), getattr(dexc, "RestartAnalysis", None)) if t)
+    return isinstance(exc, signals)
+
+
+def describe() -> dict[str, Any]:
+    """Which path each private API took in this process (for ``doctor`` and the tests)."""
+    replay = "torch._C._CUDAGraph.replay" if base_replay is not OriginalCUDAGraph.replay \
+        else "CUDAGraph.replay (Python)"
+    return {
+        "torch": torch.__version__,
+        "replay": replay,
+        "check_input_liveness": has_check_input_liveness,
+        "graph_exit_frame": _GRAPH_EXIT is not None and "args" in _GRAPH_EXIT.co_varnames,
+        "pool_release": hasattr(torch._C, "_cuda_endAllocateToPool") and hasattr(torch._C, "_cuda_releasePool"),
+        "weak_outputs": weak_view_supported,
+        "raw_stream": _raw_stream is not None and _get_device is not None,
+        "pointer_check": "C++" if _pointer_check() is not _pointers_equal_py else "Python",
+    }

@@ -1,0 +1,128 @@
+"""Which outputs carry the batch, and how a bucket's outputs become a call's result.
+
+A tensor with ``b`` rows in ``batch_dim`` may carry the batch or just happen
+to have ``b`` rows (4 hidden units with bucket 4), so batchedness is never
+read from sizes alone: it is given (``batched_outputs``: one flag per output
+leaf, or a function of the outputs returning them) or learnt with one eager
+run at another batch size, where batched outputs follow the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+
+from .._torch_compat import pytree
+from ..log import logger
+
+__all__ = ["BatchedOutputs", "OutputLayout", "learn_output_layout", "probe_other_size", "same_kinds",
+           "check_batched_outputs"]
+
+# One flag per output leaf, or a function of the output tree returning them (None: learn them).
+BatchedOutputs = Union[Sequence[bool], Callable[[Any], Union[Sequence[bool], None]], None]
+
+
+def check_batched_outputs(value: object) -> BatchedOutputs:
+    if value is None or callable(value):
+        return value  # type: ignore[return-value]
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError("batched_outputs: expected a sequence of bools (one per output leaf), a function "
+                        f"of the outputs returning them, or None, got {value!r}")
+    return tuple(value)
+
+
+@dataclass
+class OutputLayout:
+    """One bucket's outputs: their tree, which leaves carry the batch, sliced views per batch size."""
+
+    size: int  # the bucket
+    spec: Any
+    batched: tuple[bool, ...]
+    _views: dict[int, list[Any]] = field(default_factory=dict)
+
+    def result(self, leaves: list[Any], batch: int, *, batch_dim: int, copy: bool, cache: bool) -> Any:
+        """The outputs of a call of ``batch`` rows: batched leaves sliced to ``batch``, copied if asked.
+
+        ``cache`` keeps the sliced views per batch size (for a graph's static outputs).
+        """
+        sliced = self._views.get(batch) if cache else None
+        if sliced is None:
+            sliced = [o.narrow(batch_dim, 0, batch) if is_b and batch < self.size else o
+                      for o, is_b in zip(leaves, self.batched)]
+            if cache:
+                self._views[batch] = sliced
+        if copy:
+            sliced = [o.clone() if isinstance(o, torch.Tensor) else o for o in sliced]
+        return pytree.tree_unflatten(sliced, self.spec)
+
+
+def learn_output_layout(outputs: Any, bucket: int, *, batch_dim: int, given: BatchedOutputs,
+                        known: tuple[bool, ...] | None, probe: Callable[[], tuple[int, list[Any]] | None]
+                        ) -> OutputLayout:
+    """The layout of a bucket's ``outputs``.
+
+    ``known``: flags learnt earlier for the same constant arguments.
+    ``probe``: runs the model eagerly at another batch size and returns
+    (that size, its output leaves), or None when no other size can be tried.
+    """
+    leaves, spec = pytree.tree_flatten(outputs)
+    if known is not None:
+        return OutputLayout(bucket, spec, known)
+    flags = given(outputs) if callable(given) else given
+    if flags is not None:
+        if len(flags) != len(leaves):
+            raise ValueError(f"batched_outputs: expected {len(leaves)} flags (one per output leaf), "
+                             f"got {len(flags)}")
+        return OutputLayout(bucket, spec, tuple(bool(f) for f in flags))
+    bd = batch_dim
+    candidates = tuple(isinstance(o, torch.Tensor) and o.dim() > bd and o.shape[bd] == bucket for o in leaves)
+    if any(candidates):
+        found = probe()
+        if found is not None and len(found[1]) == len(leaves):
+            size, other = found
+            candidates = tuple(c and isinstance(p, torch.Tensor) and p.dim() > bd and p.shape[bd] == size
+                               for c, p in zip(candidates, other))
+    return OutputLayout(bucket, spec, candidates)
+
+
+def probe_other_size(model_fn: Callable[..., Any], inputs: Any, leaves: list[Any], bucket: int,
+                     buckets: Sequence[int]) -> tuple[int, list[Any]] | None:
+    """Run the model eagerly at a batch size other than ``bucket`` (on the static buffers' rows).
+
+    Returns (that size, its output leaves), or None when the pool has one
+    bucket or the run fails (a model whose state has a fixed batch size).
+    """
+    size = 1 if bucket != 1 else (2 if buckets[-1] >= 2 else 0)
+    if not size or len(buckets) < 2:
+        return None
+    try:
+        with torch.no_grad():
+            a, k = inputs.bucket_args(size, leaves)
+            return size, pytree.tree_leaves(model_fn(*a, **k))
+    except Exception as exc:
+        logger.debug("gfxgraph: output probe at batch %d failed (%s); outputs with %d rows are taken as "
+                     "batched", size, exc, bucket)
+        return None
+
+
+def same_kinds(first: list[Any], static: list[Any]) -> bool:
+    """Whether two output leaf lists agree in kind, shape, dtype and device (and in value, for non-tensors)."""
+    if len(first) != len(static):
+        return False
+    for a, b in zip(first, static):
+        if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
+            return False
+        if isinstance(a, torch.Tensor):
+            if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+                return False
+            continue
+        try:
+            if a != b:
+                return False
+        except Exception:  # a value without a plain comparison
+            logger.debug("gfxgraph: output values %r and %r cannot be compared", type(a), type(b))
+            return False
+    return True

@@ -1,0 +1,497 @@
+"""ShapeBucketPool: one graph per batch-size bucket, padded inputs, one memory pool.
+
+Serving stacks capture one graph per batch size and pad each request up to
+the next captured size; ``torch.compile(mode="reduce-overhead")`` re-records a
+graph per new shape instead. This is the bucketing done once, as an object.
+
+Workflow of a call ``pool(*args, **kwargs)``:
+
+1. Flatten the arguments and check them against the layout the first call
+   fixed (:mod:`.layout`).
+2. Pick the smallest bucket ``b >= B`` (:mod:`.buckets`). ``B`` above the largest
+   bucket runs eagerly (reason ``oversize``) or raises with ``oversize="error"``.
+3. Copy the tensors into the static buffers and pad rows ``[B, b)`` (:mod:`.buffers`).
+4. Replay the bucket's graph. On a bucket's first use, warm up and capture
+   it instead (:mod:`.capture`): the last warm-up run *is* this call's run,
+   so with the default ``warmup_iters=1`` every call runs the model exactly
+   once, and state the model advances (a KV cache's write position) moves as
+   in eager mode. A capture that fails after the warm-up returns the
+   warm-up's result when the batch filled the bucket. A first call runs the
+   model more than once only with ``warmup_iters > 1``, outputs that differ
+   between warm-up and capture, or the probe run of :mod:`.outputs`.
+5. Return the outputs sliced back to ``B`` rows, copied (``copy_outputs=True``,
+   the default): every graph's output memory is handed back to the shared
+   pool after capture, so 36 buckets cost about what the largest alone does,
+   and any call may overwrite the static outputs of every bucket.
+
+Calls are serialised by a lock; a call from another CUDA stream than the
+previous one first waits for it. Model calls run under ``torch.no_grad()``
+(inference; use ``torch.cuda.make_graphed_callables`` for training).
+:meth:`~ShapeBucketPool.capture_all` runs the model on the example arguments,
+so reset model state after it. In validation mode every call also runs
+eagerly and returns the eager result on a mismatch (not for ``stateful`` models).
+
+What it will not do: make a non-batched output that reduces over the batch
+(a batch mean) match eager when padding rows are added. Validation mode catches it.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from tqdm.auto import tqdm
+
+from .. import config, stats
+from .._torch_compat import current_raw_stream, pytree
+from ..checks import check_bool, check_cuda_generators, check_int
+from ..config import check_vram_cap, read_vram_cap
+from ..graph.bridged import SafeCUDAGraph
+from ..graph.capture import check_capture_mode, frozen_gc, record_on_current_stream
+from ..graph.weak_outputs import release_outputs
+from ..log import logger
+from ..platform import probe
+from ..validation import checked_against_eager
+from .buckets import BucketTable, default_buckets, validate_buckets
+from .buffers import StaticInputs
+from .capture import BucketCapturer, Captured
+from .layout import CallLayout, QuickPlan, classify
+from .outputs import (
+    BatchedOutputs,
+    OutputLayout,
+    check_batched_outputs,
+    learn_output_layout,
+    probe_other_size,
+    same_kinds,
+)
+
+__all__ = ["ShapeBucketPool"]
+
+_MISSING = object()  # a first call that produced no result of its own
+
+
+@dataclass
+class _Bucket:
+    """One captured (or eager) bucket for one key of constant arguments."""
+
+    size: int
+    key: tuple[Hashable, ...] = ()  # the constant arguments
+    graph: SafeCUDAGraph | None = None
+    outputs: list[Any] | None = None  # the graph's static output leaves
+    layout: OutputLayout | None = None
+    reason: str = ""  # fallback reason key when this bucket runs eagerly ("vram_cap", ...)
+    failed: str | None = None  # the explanation when this bucket runs eagerly
+
+
+def _check_options(model_fn: Any, batch_dim: Any, oversize: Any, warmup_iters: Any, pad_value: Any,
+                   static_args: Any, copy_outputs: Any, progress: Any, generators: Sequence[Any]) -> None:
+    if not callable(model_fn):
+        raise TypeError(f"model_fn: expected a callable, got {type(model_fn).__name__}")
+    check_int("batch_dim", batch_dim)
+    if oversize not in ("eager", "error"):
+        raise ValueError(f"oversize: expected 'eager' or 'error', got {oversize!r}")
+    check_int("warmup_iters", warmup_iters)
+    if pad_value is not None and not isinstance(pad_value, (int, float, bool)):
+        raise TypeError(f"pad_value: expected a number or None, got {type(pad_value).__name__}")
+    if isinstance(static_args, (str, bytes)) or not isinstance(static_args, Iterable):
+        raise TypeError(f"static_args: expected a collection of argument positions (int) or names (str), "
+                        f"got {static_args!r}")
+    for s in static_args:
+        if isinstance(s, bool) or not isinstance(s, (int, str)):
+            raise TypeError(f"static_args: expected argument positions (int) or names (str), got {s!r}")
+    check_bool("copy_outputs", copy_outputs)
+    check_bool("progress", progress)
+    check_cuda_generators("generators", generators)
+
+
+class ShapeBucketPool:
+    """Callable pool of graphs, one per batch-size bucket; see the module docstring.
+
+    Args:
+        model_fn: the model; called as ``model_fn(*args, **kwargs)``.
+        buckets: batch sizes to capture (validated, sorted, de-duplicated);
+            default :func:`default_buckets` up to ``max_batch_size``.
+        batch_dim: the dimension that carries the batch in inputs and outputs.
+        static_args: positions (ints) or keyword names (strs) of tensor arguments
+            without a batch dimension; they are copied into static buffers each call.
+        pad_value: value of the padding rows (default 0); None leaves them as they are.
+        copy_outputs: return copies (default). ``False`` returns views of the
+            graph's static outputs: fastest, but overwritten by the next call.
+        oversize: ``"eager"`` (default) runs a batch above the largest bucket
+            eagerly, counted and logged once; ``"error"`` raises ``ValueError``.
+        warmup_iters: eager runs on the capture stream before each capture; on a
+            bucket's first call the last one is that call's run (default 1: the
+            model runs once per call). 0 captures without warm-up, then replays.
+        vram_cap: fraction of device memory; a capture that would pass it runs
+            eagerly instead (reason ``vram_cap``). Default: ``GFXGRAPH_VRAM_CAP`` or 0.90.
+        capture_error_mode: passed to ``capture_begin``.
+        generators: extra ``torch.Generator``\\ s to register with every graph so
+            their random streams advance per replay (the default generator always is).
+        progress: show a tqdm bar in :meth:`capture_all`.
+        batched_outputs: one flag per output leaf saying whether it carries the batch,
+            or a function of the outputs returning them (None: learn them). Default:
+            learnt with one extra eager run at another batch size (when there are
+            several buckets); pass it for a model whose state has a fixed batch size
+            (a KV cache), where that run would fail or write the state.
+        stateful: the model writes state it keeps (a static KV cache), so it is
+            never run twice for one call: validation mode does not re-run it.
+    """
+
+    def __init__(
+        self,
+        model_fn: Callable[..., Any],
+        buckets: Iterable[int] | None = None,
+        *,
+        max_batch_size: int = 256,
+        batch_dim: int = 0,
+        static_args: Collection[int | str] = (),
+        pad_value: float | int | bool | None = 0,
+        copy_outputs: bool = True,
+        oversize: Literal["eager", "error"] = "eager",
+        warmup_iters: int = 1,
+        vram_cap: float | None = None,
+        capture_error_mode: str = "global",
+        generators: Sequence[torch.Generator] = (),
+        progress: bool = True,
+        batched_outputs: BatchedOutputs = None,
+        stateful: bool = False,
+    ) -> None:
+        _check_options(model_fn, batch_dim, oversize, warmup_iters, pad_value, static_args, copy_outputs,
+                       progress, generators)
+        self.model_fn = model_fn
+        self.buckets: list[int] = (validate_buckets(buckets) if buckets is not None
+                                   else default_buckets(max_batch_size))
+        self.max_bucket = self.buckets[-1]
+        self.batch_dim = batch_dim
+        self.static_args = frozenset(static_args)
+        self.pad_value = pad_value
+        self.copy_outputs = copy_outputs
+        self.oversize = oversize
+        self.warmup_iters = warmup_iters
+        self.progress = progress
+        self.batched_outputs = check_batched_outputs(batched_outputs)
+        self.stateful = bool(stateful)
+        self._table = BucketTable(self.buckets)
+        self._capturer = BucketCapturer(
+            warmup_iters=warmup_iters, vram_cap=read_vram_cap() if vram_cap is None else check_vram_cap(vram_cap),
+            capture_error_mode=check_capture_mode(capture_error_mode), generators=generators)
+        self._graphs_available = probe().graphs_available
+        self._lock = threading.RLock()
+        self._inputs: StaticInputs | None = None
+        self._quick: QuickPlan | None = None  # the hot path's flattening, for plain positional layouts
+        self._entries: dict[tuple[int, tuple[Hashable, ...]], _Bucket] = {}
+        self._out_flags: dict[tuple[Hashable, ...], tuple[bool, ...]] = {}
+        self._last_stream: torch.cuda.Stream | None = None  # stream of the previous call
+        # its handle: comparing handles is much cheaper than Stream objects. None until a first call
+        # (the default stream's handle is 0, so 0 cannot mean "no call yet")
+        self._last_raw_stream: int | None = None
+
+    @property
+    def vram_cap(self) -> float:
+        return self._capturer.vram_cap
+
+    @property
+    def capture_error_mode(self) -> str:
+        return self._capturer.capture_error_mode
+
+    @property
+    def generators(self) -> tuple[torch.Generator, ...]:
+        return self._capturer.generators
+
+    @property
+    def capture_seconds(self) -> float:
+        """Seconds spent capturing this pool's graphs (warm-ups included)."""
+        return self._capturer.seconds
+
+    # ------------------------------------------------------------------ call
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model on this batch through its bucket's graph; see the module docstring.
+
+        Cost over a hand-written bucket loop: checking the arguments against the
+        layout, one lock, one dict lookup. Raises ``TypeError``/``ValueError`` for
+        arguments that do not fit the pool (naming what was expected).
+        """
+        quick = self._quick
+        matched = quick.match(args) if quick is not None and not kwargs else None
+        with self._lock:
+            if matched is not None and self._quick is quick:
+                leaves, batch = matched
+                inputs = self._inputs
+                assert inputs is not None  # a quick plan exists only with fixed inputs
+            else:  # the first call, another layout, or the pool was closed meanwhile
+                leaves, layout, batch = classify(args, kwargs, batch_dim=self.batch_dim,
+                                                 static_args=self.static_args)
+                inputs = self._fixed_inputs(leaves, layout)
+            if batch > self.max_bucket:
+                return self._oversize(batch, args, kwargs)
+            bucket = self._table[batch]
+            key = (bucket, inputs.layout.consts(leaves) if inputs.layout.has_consts else ())
+            entry = self._entries.get(key)
+            if self._graphs_available:
+                self._order_after_previous_call()
+            if entry is None:
+                inputs.stage(leaves, batch)
+                entry, out = self._first_call(bucket, key, leaves, batch)
+                if out is not _MISSING:
+                    return self._validated(out, args, kwargs)
+            elif entry.failed is None:
+                inputs.stage(leaves, batch)
+            if entry.failed is not None:
+                stats.record_fallback(entry.reason, entry.failed)
+                return self._eager(args, kwargs)
+            if entry.graph is None:
+                return self._padded_eager(entry, leaves, batch)
+            entry.graph.replay()
+            assert entry.layout is not None and entry.outputs is not None
+            out = entry.layout.result(entry.outputs, batch, batch_dim=self.batch_dim, copy=self.copy_outputs,
+                                      cache=True)
+            return self._validated(out, args, kwargs)
+
+    def _fixed_inputs(self, leaves: list[Any], layout: CallLayout) -> StaticInputs:
+        """The static inputs of the fixed layout; the first call fixes it (allocating the buffers)."""
+        inputs = self._inputs
+        if inputs is not None:
+            if layout != inputs.layout:
+                inputs.layout.check_matches(layout)
+            return inputs
+        if self._graphs_available:
+            for path, kind, meta in zip(layout.where, layout.kinds, layout.tensor_meta):
+                if meta is not None and meta[1].type != "cuda":
+                    raise ValueError(f"{path}: expected a tensor on a CUDA device, got one on {meta[1]}")
+        inputs = self._inputs = StaticInputs(layout, leaves, self._table, batch_dim=self.batch_dim,
+                                             pad_value=self.pad_value)
+        if QuickPlan.applies(layout):
+            self._quick = QuickPlan(layout, leaves, self.batch_dim)
+        return inputs
+
+    def _oversize(self, batch: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.oversize == "error":
+            raise ValueError(f"batch size {batch} is above the largest bucket {self.max_bucket}; "
+                             "expected at most that (or construct the pool with oversize='eager')")
+        stats.record_fallback("oversize", f"batch {batch} > largest bucket {self.max_bucket}")
+        return self._eager(args, kwargs)
+
+    def _first_call(self, bucket: int, key: tuple[int, tuple[Hashable, ...]], leaves: list[Any],
+                    batch: int) -> tuple[_Bucket, Any]:
+        """Capture a bucket on its first call; the result when the warm-up was this call's run."""
+        entry, captured = self._capture(bucket, key, leaves, keep_warm=True)
+        warm = captured.warm
+        if warm is None:
+            return entry, _MISSING
+        if entry.layout is not None:  # the capture ran (its graph may have been undone for the VRAM cap)
+            out = self._warm_result(entry, warm, batch)
+            if out is not _MISSING:
+                return entry, out
+            logger.debug("gfxgraph: bucket %d: the warm-up's outputs differ from the captured ones; "
+                         "this call replays the graph (the model ran twice)", bucket)
+            return entry, _MISSING
+        if entry.failed is not None and bucket == batch:
+            # the capture failed after a good warm-up of exactly this batch: that run is the result
+            stats.record_fallback(entry.reason, entry.failed)
+            record_on_current_stream(pytree.tree_leaves(warm))
+            if self.copy_outputs:  # it may alias the static input buffers
+                warm = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, warm)
+            return entry, warm
+        return entry, _MISSING
+
+    def _warm_result(self, entry: _Bucket, warm: Any, batch: int) -> Any:
+        """A bucket's first call returns its last warm-up run, as a replay would return it.
+
+        _MISSING when the warm-up's outputs differ from what the graph captured
+        (the model is not the same from run to run: the call replays instead).
+        With ``copy_outputs=False`` the result is copied into the graph's static
+        outputs, so the returned views are the ones later calls overwrite. The
+        warm-up ran on the capture stream; ``record_stream`` keeps the allocator
+        from reusing its memory there while the caller's stream reads it.
+        """
+        layout = entry.layout
+        assert layout is not None
+        first, spec = pytree.tree_flatten(warm)
+        if spec != layout.spec:
+            return _MISSING
+        record_on_current_stream(first)
+        static = entry.outputs
+        if static is not None and not same_kinds(first, static):
+            return _MISSING
+        if static is None or self.copy_outputs:  # copied: the warm-up may alias the static input buffers
+            return layout.result(first, batch, batch_dim=self.batch_dim, copy=self.copy_outputs, cache=False)
+        for dst, src in zip(static, first):
+            if isinstance(dst, torch.Tensor):
+                dst.copy_(src)
+        return layout.result(static, batch, batch_dim=self.batch_dim, copy=False, cache=True)
+
+    def _order_after_previous_call(self) -> None:
+        """Calls from different streams must not overlap on the static buffers and shared pool."""
+        raw = current_raw_stream()
+        if raw is not None and raw == self._last_raw_stream and self._last_stream is not None:
+            return  # the common case: the same stream as the previous call
+        stream = torch.cuda.current_stream()
+        last = self._last_stream
+        if last is not None and last != stream:
+            stream.wait_stream(last)
+        self._last_stream = stream
+        self._last_raw_stream = raw
+
+    def _validated(self, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Validation mode: compare with eager (dtype-aware), count, return eager on a mismatch."""
+        if not config.switches.validate or self.stateful:
+            return out
+        return checked_against_eager(out, self._eager(args, kwargs), owner=self, what="ShapeBucketPool")
+
+    def _padded_eager(self, entry: _Bucket, leaves: list[Any], batch: int) -> Any:
+        """No GPU: the same padded pipeline as a replay, with the model run eagerly."""
+        stats.record_fallback("no_gpu", probe().reason or "")
+        assert self._inputs is not None
+        with torch.no_grad():
+            a, k = self._inputs.bucket_args(entry.size, leaves)
+            outputs = self.model_fn(*a, **k)
+        layout = self._output_layout(entry, outputs, leaves)
+        return layout.result(pytree.tree_leaves(outputs), batch, batch_dim=self.batch_dim,
+                             copy=self.copy_outputs, cache=False)
+
+    def _eager(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        with torch.no_grad():
+            return self.model_fn(*args, **kwargs)
+
+    # --------------------------------------------------------------- capture
+    def _capture(self, bucket: int, key: tuple[int, tuple[Hashable, ...]], leaves: list[Any], *,
+                 keep_warm: bool, freeze_gc: bool = True) -> tuple[_Bucket, Captured]:
+        """Capture ``bucket`` for ``key``; the entry is stored only once its outcome is known.
+
+        A ``KeyboardInterrupt`` (any ``BaseException``) during warm-up or capture
+        leaves no entry behind, so the next call tries again; the capture itself
+        was already ended cleanly by the graph.
+        """
+        entry = _Bucket(bucket, key[1])
+        if not self._graphs_available:
+            self._entries[key] = entry
+            return entry, Captured()  # runs the padded pipeline eagerly (see _padded_eager)
+        assert self._inputs is not None
+        a, k = self._inputs.bucket_args(bucket, leaves)
+        captured = self._capturer.capture(lambda: self.model_fn(*a, **k), bucket, keep_warm=keep_warm,
+                                          freeze_gc=freeze_gc)
+        entry.reason, entry.failed = captured.reason, captured.failed
+        if captured.outputs is not None:
+            self._output_layout(entry, captured.outputs, leaves)
+        if captured.graph is not None:
+            entry.graph = captured.graph
+            entry.outputs = release_outputs(pytree.tree_leaves(captured.outputs))
+        captured.outputs = None  # the graph's output memory goes back to the pool
+        self._entries[key] = entry
+        return entry, captured
+
+    def _output_layout(self, entry: _Bucket, outputs: Any, leaves: list[Any]) -> OutputLayout:
+        """Which outputs carry the batch, learnt once per constant-argument key."""
+        inputs = self._inputs
+        assert inputs is not None
+        probe = functools.partial(probe_other_size, self.model_fn, inputs, leaves, entry.size, self.buckets)
+        layout = learn_output_layout(outputs, entry.size, batch_dim=self.batch_dim, given=self.batched_outputs,
+                                     known=self._out_flags.get(entry.key), probe=probe)
+        self._out_flags[entry.key] = layout.batched
+        entry.layout = layout
+        return layout
+
+    def capture_all(self, *example_args: Any, **example_kwargs: Any) -> dict[str, Any]:
+        """Capture every bucket now, largest first (so smaller ones reuse its memory).
+
+        The example arguments fix the layout (any batch size; their rows are
+        repeated into the buffers). Shows a tqdm bar when ``progress``; the
+        garbage collector stays frozen for the whole run. Logs and returns the
+        time and graph-pool memory it took. Buckets that fail run eagerly later.
+        """
+        leaves, layout, batch = classify(example_args, example_kwargs, batch_dim=self.batch_dim,
+                                         static_args=self.static_args)
+        with self._lock:
+            inputs = self._fixed_inputs(leaves, layout)
+            inputs.fill_example(leaves, batch)
+            consts = inputs.layout.consts(leaves)
+            todo = [b for b in reversed(self.buckets) if (b, consts) not in self._entries]
+            t0 = time.perf_counter()
+            free_before = torch.cuda.mem_get_info()[0] if self._graphs_available else 0
+            bar = tqdm(todo, desc="gfxgraph capture", unit="graph", leave=False,
+                       disable=not (self.progress and len(todo) > 1))
+            with frozen_gc():
+                for b in bar:
+                    self._capture(b, (b, consts), leaves, keep_warm=False, freeze_gc=False)
+            seconds = time.perf_counter() - t0
+            report = {
+                "buckets": len(todo),
+                "captured": sum(1 for b in todo if self._entries[(b, consts)].failed is None),
+                "seconds": seconds,
+                "pool_bytes": self.pool_bytes(),
+                "device_bytes_used": (free_before - torch.cuda.mem_get_info()[0]) if self._graphs_available else 0,
+            }
+        logger.info("gfxgraph: captured %d/%d buckets in %.2f s; graph pool %.1f MiB",
+                    report["captured"], report["buckets"], seconds, report["pool_bytes"] / 2**20)
+        return report
+
+    def replay_buffers(self, batch_size: int) -> Any:
+        """Replay the bucket of ``batch_size`` on what the static input buffers hold now.
+
+        Needs exactly one captured graph for that bucket (one constant-argument
+        key). Returns the outputs as a call would (sliced, copied unless
+        ``copy_outputs=False``).
+        """
+        bucket = self.bucket_for(batch_size)
+        if bucket is None:
+            raise ValueError(f"batch_size={batch_size} is above the largest bucket {self.max_bucket}")
+        with self._lock:
+            entries = [e for (b, _), e in self._entries.items() if b == bucket and e.graph is not None]
+            if len(entries) != 1:
+                raise RuntimeError(f"replay(batch_size={batch_size}): bucket {bucket} is not captured (or has "
+                                   "several constant-argument variants); pass input_tensor= instead")
+            entry = entries[0]
+            assert entry.graph is not None and entry.layout is not None and entry.outputs is not None
+            entry.graph.replay()
+            return entry.layout.result(entry.outputs, batch_size, batch_dim=self.batch_dim,
+                                       copy=self.copy_outputs, cache=True)
+
+    # ------------------------------------------------------------ introspect
+    @property
+    def captured_buckets(self) -> list[int]:
+        """Buckets with a captured graph (any constant-argument key)."""
+        return sorted({b for (b, _), e in self._entries.items() if e.graph is not None})
+
+    @property
+    def failed_buckets(self) -> dict[int, str]:
+        """Buckets that run eagerly, with the reason."""
+        return {b: f"{e.reason}: {e.failed}" for (b, _), e in self._entries.items() if e.failed is not None}
+
+    def bucket_for(self, batch_size: int) -> int | None:
+        """The bucket a batch of ``batch_size`` rows runs in; None when above the largest."""
+        return self._table.bucket_for(batch_size)
+
+    def pool_bytes(self) -> int:
+        """Bytes reserved by this pool's graphs, as the caching allocator reports them."""
+        return self._capturer.pool_bytes()
+
+    @property
+    def pool_handle(self) -> Any:
+        """The shared memory-pool handle (None before the first capture)."""
+        return self._capturer.pool_handle
+
+    @property
+    def static_inputs(self) -> list[Any]:
+        """The static buffers, per argument leaf (None for constants; empty before the first call)."""
+        return [] if self._inputs is None else list(self._inputs.buffers)
+
+    def close(self) -> None:
+        """Release every graph and static buffer. The pool can be used again (it re-captures)."""
+        with self._lock:
+            for entry in self._entries.values():
+                if entry.graph is not None:
+                    entry.graph.reset()
+            self._entries.clear()
+            self._inputs, self._quick = None, None
+            self._last_stream, self._last_raw_stream = None, None
+            self._capturer.forget_growth()
+            self._out_flags.clear()
+
+    def __repr__(self) -> str:
+        return (f"ShapeBucketPool(buckets={self.buckets}, captured={self.captured_buckets}, "
+                f"failed={sorted(self.failed_buckets)})")

@@ -1,0 +1,159 @@
+"""The ``gfxgraph`` torch.compile backend: inductor kernels, replayed through batch-bucket graphs.
+
+``torch.compile(model, backend="gfxgraph")`` (alias ``"hipgraph_bridge"``)
+compiles each dynamo subgraph with inductor, *without* inductor's own CUDA
+graphs, and serves it through a :class:`~hipgraph_bridge.ShapeBucketPool`:
+one graph per batch-size bucket, padded inputs, one memory pool per subgraph.
+``mode="reduce-overhead"`` records a graph per distinct shape instead; on a
+stream of batch sizes 1..256 that is hundreds of recordings.
+
+Finding the backend: the distribution declares both names in the entry-point
+group ``torch_dynamo_backends``, which dynamo scans the first time it meets
+an unknown backend name, so nothing has to be imported first. :func:`register`
+(called by ``gfxgraph.enable()``) also registers the names, but only when
+``torch._dynamo`` is already imported: importing it costs over a second, and
+the entry point covers every installed copy. From a source checkout that is
+not installed, import ``torch._dynamo`` before ``register()``/``enable()``.
+
+Per subgraph (:mod:`.subgraph`): inductor kernels (its own CUDA graphs off)
+served through a :class:`~hipgraph_bridge.ShapeBucketPool`; where a graph would
+be wrong or impossible the subgraph runs compiled without graphs and says why:
+training (grad mode on and an input requiring grad), an input the graph
+mutates, the batch size used as a value, rows that depend on each other (the
+first padded call is compared with an unpadded run), a padded call of a
+subgraph that writes to its parameters or buffers, CPU tensors when a GPU is
+present, non-contiguous batched inputs, more than ``max_variants`` variants.
+Without a GPU the pool runs its padded pipeline eagerly, so the whole path is
+exercised on CPU. ``gfxgraph.enable(validate=True)`` compares every call with
+an unpadded run and returns the latter.
+
+Dynamic batch, and how many compilations: dynamo first compiles for the first
+batch size it sees, then, when the size changes, once more with the batch
+symbolic (automatic dynamic shapes), and once for size 1 if size 1 comes later
+(dynamo specialises it). ``torch._dynamo.mark_dynamic(x, batch_dim)`` on the
+first input (or ``dynamic=True``) skips the first specialised frame. Only the
+symbolic frame is compiled up front (step 2): a stream of sizes 1..256 costs
+one inductor compilation, plus one for each specialised frame called again.
+
+What it will not do: prove that rows are independent (a dependence that the
+first padded call does not show slips through: use validate mode when in
+doubt); share one graph memory pool between subgraphs (each has its own);
+keep writes to copied inputs in graphs (it refuses to graph them instead;
+writes to parameters, buffers and ``mark_static_address`` tensors, such as a
+static KV cache, are kept: the graph writes them in place, and with the
+default ``warmup_iters=1`` each call runs the subgraph exactly once, its first
+call included, validate mode skipping the comparison); call one
+subgraph from several threads at once (calls are serialised by a lock).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .._torch_compat import dynamo_registry
+from ..log import logger
+from .options import BackendOptions
+from .subgraph import CompiledSubgraph, SubgraphState, compile_counts, live_subgraphs
+
+__all__ = ["BACKEND_NAMES", "gfxgraph_backend", "register", "backend_stats", "compiled_subgraphs",
+           "reset_backend"]
+
+BACKEND_NAMES = ("gfxgraph", "hipgraph_bridge")
+
+
+def gfxgraph_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
+                     options: Mapping[str, Any] | None = None, mode: str | None = None,
+                     **option_kwargs: Any) -> Callable[..., Any]:
+    """Dynamo backend: compile ``gm`` and serve it through batch-bucket graphs.
+
+    Called by dynamo once per subgraph (``options``/``mode`` come from
+    ``torch.compile``); options may also be bound as keywords, e.g.
+    ``functools.partial(gfxgraph_backend, buckets=[1, 8, 64])``. Returns the
+    function dynamo calls with the flat inputs. Raises :class:`ConfigError` for
+    unknown or bad options (dynamo reports it as ``BackendCompilerFailed``).
+    """
+    merged = {**(options or {}), **option_kwargs}
+    opts = BackendOptions.from_mapping(merged, mode=mode)
+    sub = CompiledSubgraph(gm, list(example_inputs), opts)
+
+    def run(*args: Any) -> Any:
+        return sub(*args)
+
+    run.subgraph = sub  # type: ignore[attr-defined]  # introspection: state, reason, buckets
+    return run
+
+
+_register_lock = threading.Lock()
+
+
+def register() -> bool:
+    """Register :data:`BACKEND_NAMES` with dynamo if ``torch._dynamo`` is imported; cheap and idempotent.
+
+    Returns whether the names are registered now. When dynamo is not imported
+    yet this does nothing (the entry point finds the backend later) rather than
+    importing it, which costs over a second. A name already taken by another
+    function is left alone (logged at debug).
+    """
+    registry = dynamo_registry()
+    if registry is None:
+        return False
+    with _register_lock:
+        taken = getattr(registry, "_COMPILER_FNS", {})
+        for name in BACKEND_NAMES:
+            current = taken.get(name)
+            if current is None:
+                try:
+                    registry.register_backend(gfxgraph_backend, name=name)
+                except AssertionError:  # registered meanwhile (dynamo's duplicate-name check)
+                    pass
+            elif current is not gfxgraph_backend:
+                logger.debug("gfxgraph: backend name %r is already taken by %r; left as it is", name, current)
+    return True
+
+
+def backend_stats() -> dict[str, Any]:
+    """What the backend holds now: subgraphs by state, fallback reasons, compiles, graphs, memory.
+
+    Keys: ``subgraphs``, ``graphed``, ``lazy``, ``ungraphed`` (reason -> count),
+    ``compiles`` and ``compile_seconds`` (process totals), ``graphs`` (captured
+    bucket graphs), ``pool_bytes`` (their graph-pool memory). Cost: walks the
+    allocator's segments (milliseconds).
+    """
+    subs = live_subgraphs()
+    ungraphed: dict[str, int] = {}
+    for s in subs:
+        if s.state is SubgraphState.UNGRAPHED:
+            ungraphed[s.reason or "?"] = ungraphed.get(s.reason or "?", 0) + 1
+    compiles, seconds = compile_counts()
+    return {
+        "subgraphs": len(subs),
+        "graphed": sum(s.state is SubgraphState.GRAPHED for s in subs),
+        "lazy": sum(s.state is SubgraphState.LAZY for s in subs),
+        "ungraphed": ungraphed,
+        "compiles": compiles,
+        "compile_seconds": seconds,
+        "graphs": sum(s.graph_count() for s in subs),
+        "pool_bytes": sum(s.pool_bytes() for s in subs),
+    }
+
+
+def compiled_subgraphs() -> list[CompiledSubgraph]:
+    """The live subgraphs the backend has compiled (state, reason, buckets, captured graphs)."""
+    return live_subgraphs()
+
+
+def reset_backend() -> None:
+    """Release the graphs of every live subgraph (they re-capture if called again).
+
+    ``torch._dynamo.reset()`` calls this (as ``gfxgraph_backend.reset``) when it
+    drops the compiled code.
+    """
+    for s in live_subgraphs():
+        s.close()
+
+
+gfxgraph_backend.reset = reset_backend  # type: ignore[attr-defined]

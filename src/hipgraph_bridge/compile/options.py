@@ -1,0 +1,143 @@
+"""The options of the ``gfxgraph`` compile backend, validated at the boundary."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+from .._torch_compat import mode_options
+from ..bucketing.buckets import validate_buckets
+from ..checks import check_bool, check_int
+from ..config import check_vram_cap
+from ..errors import ConfigError
+
+__all__ = ["BackendOptions", "Compiler"]
+
+Compiler = Literal["inductor", "aot_eager", "eager"]
+COMPILERS = ("inductor", "aot_eager", "eager")
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+def _positive_int(name: str, v: Any, *, minimum: int = 1) -> int:
+    return check_int(f"options[{name!r}]", v, minimum=minimum, error=ConfigError)
+
+
+def _flag(name: str, v: Any) -> bool:
+    return check_bool(f"options[{name!r}]", v, error=ConfigError)
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """Options of the ``gfxgraph`` backend: ``torch.compile(..., options={...})``.
+
+    Attributes:
+        buckets: batch sizes to capture; default :func:`~hipgraph_bridge.default_buckets` up to
+            ``max_batch_size``. Buckets outside the sizes a frame admits are dropped.
+        max_batch_size: the largest default bucket (256); larger batches run
+            ungraphed (compiled), counted as ``oversize``.
+        batch_dim: the dimension that carries the batch, in inputs and outputs (0).
+        vram_cap: no new capture once device memory use would pass this fraction;
+            default ``GFXGRAPH_VRAM_CAP`` or 0.90.
+        copy_outputs: return copies (True). False returns views of the graphs'
+            static outputs, overwritten by the next call of this subgraph.
+        pad_value: value of padding rows (0).
+        warmup_iters: runs before each capture (1).
+        compiler: ``"inductor"`` (default); ``"aot_eager"`` or ``"eager"`` (the
+            traced graph as it is) for debugging or machines without a C++ compiler.
+            Inductor on CPU falls back to ``"eager"`` by itself when no compiler is found.
+        inductor_config: extra inductor config patches (CUDA-graph keys refused).
+        static_compile_after: a frame with every shape specialised is compiled on
+            this call (2); earlier calls run the traced graph eagerly.
+        max_variants: graph sets per subgraph for distinct non-batch shapes or
+            constant arguments (8); further ones run ungraphed.
+        graphs: False compiles only (no graphs): for comparisons.
+    """
+
+    buckets: tuple[int, ...] | None = None
+    max_batch_size: int = 256
+    batch_dim: int = 0
+    vram_cap: float | None = None
+    copy_outputs: bool = True
+    pad_value: float | int | bool | None = 0
+    warmup_iters: int = 1
+    compiler: Compiler = "inductor"
+    inductor_config: tuple[tuple[str, Any], ...] = ()
+    static_compile_after: int = 2
+    max_variants: int = 8
+    graphs: bool = True
+    mode_config: tuple[tuple[str, Any], ...] = field(default=(), repr=False)  # from torch.compile(mode=...)
+
+    @classmethod
+    def known(cls) -> list[str]:
+        """Option names accepted in ``options={...}``."""
+        return sorted(f.name for f in fields(cls) if f.name != "mode_config")
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any] | None = None, *, mode: str | None = None) -> BackendOptions:
+        """Validate ``options`` (and torch.compile's ``mode``); raise :class:`ConfigError` naming the problem."""
+        if options is None:
+            options = {}
+        if not isinstance(options, Mapping):
+            raise TypeError(f"gfxgraph backend options: expected a dict, got {type(options).__name__}")
+        known = cls.known()
+        unknown = sorted(str(k) for k in options if k not in known)
+        if unknown:
+            raise ConfigError(f"gfxgraph backend: unknown option(s) {', '.join(map(repr, unknown))}; "
+                              f"known options: {', '.join(known)}")
+        o = dict(options)
+        kw: dict[str, Any] = {}
+        if o.get("buckets") is not None:
+            try:
+                kw["buckets"] = tuple(validate_buckets(o["buckets"]))
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"options['buckets']: {exc}") from None
+        for name in ("max_batch_size", "static_compile_after", "max_variants"):
+            if name in o:
+                kw[name] = _positive_int(name, o[name])
+        for name in ("batch_dim", "warmup_iters"):
+            if name in o:
+                kw[name] = _positive_int(name, o[name], minimum=0)
+        for name in ("copy_outputs", "graphs"):
+            if name in o:
+                kw[name] = _flag(name, o[name])
+        if o.get("vram_cap") is not None:
+            kw["vram_cap"] = check_vram_cap(o["vram_cap"], name="options['vram_cap']")
+        if "pad_value" in o:
+            pv = o["pad_value"]
+            if pv is not None and not isinstance(pv, (int, float, bool)):
+                raise ConfigError(f"options['pad_value']: expected a number or None, got {pv!r}")
+            kw["pad_value"] = pv
+        if "compiler" in o:
+            if o["compiler"] not in COMPILERS:
+                raise ConfigError(f"options['compiler']: expected one of {', '.join(COMPILERS)}, "
+                                  f"got {o['compiler']!r}")
+            kw["compiler"] = o["compiler"]
+        if "inductor_config" in o:
+            kw["inductor_config"] = _inductor_patches(o["inductor_config"])
+        kw["mode_config"] = _mode_patches(mode)
+        return cls(**kw)
+
+    def inductor_patches(self) -> dict[str, Any]:
+        """Config patches for ``compile_fx``: mode's, then the user's, then CUDA graphs off."""
+        return {**dict(self.mode_config), **dict(self.inductor_config), "triton.cudagraphs": False}
+
+
+def _inductor_patches(cfg: Any) -> tuple[tuple[str, Any], ...]:
+    if not isinstance(cfg, Mapping):
+        raise ConfigError(f"options['inductor_config']: expected a dict of inductor config patches, got {cfg!r}")
+    for k in cfg:
+        if not isinstance(k, str):
+            raise ConfigError(f"options['inductor_config']: expected str keys, got {k!r}")
+        if "cudagraph" in k:
+            raise ConfigError(f"options['inductor_config']: {k!r} is not allowed: gfxgraph captures the graphs "
+                              "itself, so inductor's CUDA graphs stay off")
+    return tuple(sorted(cfg.items()))
+
+
+def _mode_patches(mode: str | None) -> tuple[tuple[str, Any], ...]:
+    if mode is None or mode in ("default", "reduce-overhead"):  # reduce-overhead: the graphs are ours
+        return ()
+    if mode not in MODES:
+        raise ConfigError(f"torch.compile(mode={mode!r}) with backend 'gfxgraph': expected one of "
+                          f"{', '.join(MODES)}")
+    return tuple(sorted((k, v) for k, v in mode_options(mode).items() if "cudagraph" not in k))

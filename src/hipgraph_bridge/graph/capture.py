@@ -1,0 +1,339 @@
+"""The one capture primitive: every capture in the library goes through :class:`GraphCapture`.
+
+A :class:`GraphCapture` captures the work issued on one stream into one
+PyTorch graph object (``torch.cuda.CUDAGraph`` or a subclass) and owns
+everything around it: the stream and memory pool it begins on, the whole
+failure path, and the capture statistics. Its states::
+
+    PENDING --begin()--> CAPTURING --end()--> ENDED
+                            |
+                            +-- discard(), or end() rejected --> DISCARDED
+
+Use it as a context manager (a region that raises is discarded and its
+exception propagates) or call :meth:`begin`/:meth:`end` yourself (what
+``BridgedCUDAGraph.capture_begin``/``capture_end`` do). The failure path
+(:meth:`discard`) never raises and runs, in this order:
+
+1. take the stream out of capture mode without instantiating the partial graph;
+2. give back the pool reference the allocator took at begin;
+3. synchronise the device (skipped while another capture is live);
+4. reset the graph object (the partial graph is dropped, or leaked when unsafe);
+5. re-arm the RNG generators (their capture epilogue never ran);
+6. count the failure, log it.
+
+Afterwards the next capture, on any stream, and eager random ops work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import gc
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from .. import stats
+from .._torch_compat import OriginalCUDAGraph
+from ..errors import GraphCaptureError
+from ..log import logger
+from ..runtime import capture_owner, register_capture, unregister_capture
+from .recovery import end_stream_capture, rearm_generators, release_capture_pool, stream_is_capturing, \
+    synchronize_quietly
+
+__all__ = ["GraphCapture", "CaptureState", "CAPTURE_MODES", "check_capture_mode", "capture_on_stream",
+           "side_stream", "frozen_gc", "warm_up", "record_on_current_stream"]
+
+CAPTURE_MODES = ("global", "thread_local", "relaxed")
+# What PyTorch's caching allocator says when a pool id cannot be captured into again.
+_DEAD_POOL_MESSAGES = ("already recording to mempool_id", "use_count > 0")
+
+
+class CaptureState(enum.Enum):
+    PENDING = "pending"  # created; begin() next
+    CAPTURING = "capturing"  # between begin() and end()
+    ENDED = "ended"  # the graph holds the capture
+    DISCARDED = "discarded"  # failed; the failure path ran (see failure)
+
+
+def check_capture_mode(mode: object) -> str:
+    if mode not in CAPTURE_MODES:
+        raise ValueError(f"capture_error_mode: expected one of {', '.join(CAPTURE_MODES)}, got {mode!r}")
+    return mode  # type: ignore[return-value]
+
+
+def capture_on_stream(stream: int) -> GraphCapture | None:
+    """The library's capture running on the raw ``stream`` handle, if any."""
+    owner = capture_owner(stream)
+    return owner if isinstance(owner, GraphCapture) else None
+
+
+class GraphCapture:
+    """One stream capture into ``graph``, with its failure path; see the module docstring.
+
+    Args:
+        graph: the PyTorch graph object to capture into (held weakly: its owner keeps it).
+        pool: a memory-pool handle to capture into (default: a new one, so that a
+            failed capture's pool reference can be given back).
+        stream: the stream to capture on. The context manager makes it current;
+            :meth:`begin` requires it to be current already (default: the current stream).
+        capture_error_mode: ``"global"``, ``"thread_local"`` or ``"relaxed"``.
+        generators: the generators registered with ``graph``, re-armed after a failure.
+        freeze_gc: keep the garbage collector frozen inside the context manager.
+        capture_kwargs: further ``capture_begin`` arguments of the installed PyTorch.
+    """
+
+    def __init__(self, graph: Any, *, pool: Any = None, stream: torch.cuda.Stream | None = None,
+                 capture_error_mode: str = "global", generators: Sequence[torch.Generator] = (),
+                 freeze_gc: bool = False, **capture_kwargs: Any) -> None:
+        if not isinstance(graph, OriginalCUDAGraph):
+            raise TypeError(f"graph: expected a torch.cuda.CUDAGraph, got {type(graph).__name__}")
+        if pool is not None and not (isinstance(pool, tuple) and len(pool) == 2
+                                     and all(isinstance(v, int) for v in pool)):
+            raise TypeError("pool: expected a handle from torch.cuda.graph_pool_handle() or another graph's "
+                            f"pool() (a pair of ints), got {pool!r}")
+        self._graph = weakref.ref(graph)
+        self.mode = check_capture_mode(capture_error_mode)
+        self.stream = stream
+        self.pool: tuple[int, int] | None = None if pool is None else (int(pool[0]), int(pool[1]))
+        self.generators = tuple(generators)
+        self.state = CaptureState.PENDING
+        self.failure: str | None = None
+        self.seconds = 0.0
+        self._freeze_gc = freeze_gc
+        self._kwargs = capture_kwargs
+        self._device = -1
+        self._t0 = 0.0
+        self._open = False  # the runtime capture is open (begun, not yet ended by PyTorch)
+        self._unsafe = False
+        self._contexts: contextlib.ExitStack | None = None
+
+    # ------------------------------------------------------------------ begin / end
+    def begin(self) -> None:
+        """Begin capturing on the current stream (which must be ``stream`` when one was given).
+
+        Refuses a stream that is already capturing (``GraphCaptureError``)
+        before the runtime call that would invalidate the outer capture.
+        Cost: one capture-status query more than PyTorch's ``capture_begin``.
+        """
+        if self.state is not CaptureState.PENDING:
+            raise RuntimeError(f"GraphCapture.begin() needs state 'pending', but it is {self.state.value!r}: "
+                               "create a new GraphCapture to capture again")
+        stream = torch.cuda.current_stream()
+        if self.stream is not None and stream != self.stream:
+            raise RuntimeError("GraphCapture.begin(): the current stream is not the capture's stream; "
+                               "use the capture as a context manager, or make its stream current first")
+        self.stream = stream
+        if stream == torch.cuda.default_stream():
+            raise RuntimeError(
+                "capture_begin(): CUDA graphs must be captured on a non-default stream; "
+                "run the capture under `with torch.cuda.stream(torch.cuda.Stream()):` "
+                "(replaying on the default stream is fine)")
+        if torch.cuda.is_current_stream_capturing():
+            who = "another gfxgraph capture" if capture_on_stream(stream.cuda_stream) is not None \
+                else "a capture gfxgraph does not own"
+            raise GraphCaptureError(
+                f"capture_begin(): stream {stream.cuda_stream:#x} is already capturing ({who}). "
+                "Nested capture on one stream is not supported by the runtime; end the outer "
+                "capture first, or compose graphs with hipgraph_bridge.GraphCompositor. "
+                "The outer capture is untouched.")
+        if self.pool is None:
+            handle = torch.cuda.graph_pool_handle()
+            self.pool = (int(handle[0]), int(handle[1]))
+        self._device = torch.cuda.current_device()
+        register_capture(stream.cuda_stream, self)
+        self._t0 = time.perf_counter()
+        self.state, self._open = CaptureState.CAPTURING, True
+        try:
+            OriginalCUDAGraph.capture_begin(self._target(), self.pool, self.mode, **self._kwargs)
+        except BaseException as exc:
+            self.discard(f"capture_begin failed: {exc}")
+            if any(m in str(exc) for m in _DEAD_POOL_MESSAGES):
+                raise GraphCaptureError(
+                    f"capture_begin(): the memory pool {self.pool} cannot take another capture: a capture "
+                    "into it failed earlier, or every graph in it was released, and PyTorch's allocator "
+                    "does not recover such a pool. Pass a fresh torch.cuda.graph_pool_handle() "
+                    f"(allocator said: {str(exc).splitlines()[0]})") from exc
+            raise
+
+    def end(self) -> None:
+        """End the capture: the graph holds it from now on.
+
+        Raises:
+            RuntimeError: not capturing.
+            GraphCaptureError: the runtime rejected the capture (a sync such as
+                ``.item()`` in the region, or ending on another stream); the
+                failure path ran first, so the stream is usable again.
+        """
+        if self.state is not CaptureState.CAPTURING:
+            raise RuntimeError(f"capture_end() called on a capture in state {self.state.value!r}; "
+                               "call capture_begin() first"
+                               + (f" (the last capture failed: {self.failure})" if self.failure else ""))
+        stream = self.stream
+        assert stream is not None  # set by begin()
+        current = torch.cuda.current_stream()
+        if current != stream:
+            self.discard("capture_end() ran on a different stream than capture_begin()")
+            raise GraphCaptureError(
+                f"capture_end() must run on the stream capture began on ({stream.cuda_stream:#x}), "
+                f"but the current stream is {current.cuda_stream:#x}; the capture was ended and discarded")
+        try:
+            OriginalCUDAGraph.capture_end(self._target())
+        except BaseException as exc:
+            self.discard(f"{type(exc).__name__}: {exc}")
+            raise GraphCaptureError(
+                f"graph capture failed and was discarded: {exc}. A common cause is a call "
+                "that synchronises with the host inside the captured region (.item(), .cpu(), "
+                "print(tensor), torch.cuda.synchronize()); the stream is usable again") from exc
+        self._open = False
+        unregister_capture(stream.cuda_stream, self)
+        self.state = CaptureState.ENDED
+        self.seconds = time.perf_counter() - self._t0
+        stats.record_capture(self.seconds)
+
+    # ------------------------------------------------------------------ failure path
+    def mark_partial_graph_unsafe(self) -> None:
+        """The graph now holds a node whose body capture failed (a conditional body):
+        if this capture fails, end it without instantiating or destroying the graph (it is leaked)."""
+        self._unsafe = True
+
+    def discard(self, reason: str, *, graph: Any = None) -> None:
+        """Run the failure path (module docstring) and mark the capture discarded. Never raises.
+
+        ``graph``: pass the graph object when calling from its finaliser (the
+        capture holds it weakly). Discarding an ended capture drops its graph
+        (a region that raised after the runtime capture closed).
+        """
+        if self.state is CaptureState.DISCARDED:
+            return
+        target = graph if graph is not None else self._graph()
+        stream = self.stream
+        was_open = self._open
+        try:
+            if was_open and stream is not None:
+                self._close_runtime_capture(stream, target)
+            if was_open and self.pool is not None:
+                release_capture_pool(self._device, self.pool)
+            synchronize_quietly(self)
+            if target is not None:
+                try:
+                    OriginalCUDAGraph.reset(target)
+                except BaseException as exc:
+                    logger.debug("gfxgraph: reset after failed capture raised: %s", exc)
+            if was_open:
+                rearm_generators(self, self.generators)
+        finally:
+            self._open = False
+            if stream is not None:
+                unregister_capture(stream.cuda_stream, self)
+            self.state, self.failure = CaptureState.DISCARDED, reason
+            stats.record_capture_failure()
+            logger.warning("gfxgraph: graph capture discarded: %s", reason)
+
+    def _close_runtime_capture(self, stream: torch.cuda.Stream, target: Any) -> None:
+        if not stream_is_capturing(stream) or end_stream_capture(stream, destroy=not self._unsafe):
+            return
+        # No runtime binding: PyTorch's capture_end ends it (and instantiates the partial graph).
+        if target is not None and not self._unsafe:
+            try:
+                with torch.cuda.stream(stream):
+                    OriginalCUDAGraph.capture_end(target)
+            except BaseException:
+                pass
+        if stream_is_capturing(stream):
+            logger.error("gfxgraph: stream %#x is still capturing after a failed capture; install the runtime "
+                         "binding (pip install 'gfxgraph[cuda]') so gfxgraph can end it", stream.cuda_stream)
+
+    def _target(self) -> Any:
+        target = self._graph()
+        if target is None:
+            raise RuntimeError("GraphCapture: the graph object was released")
+        return target
+
+    # ------------------------------------------------------------------ context manager
+    def __enter__(self) -> GraphCapture:
+        contexts = contextlib.ExitStack()
+        if self.stream is not None:
+            contexts.enter_context(torch.cuda.stream(self.stream))
+        if self._freeze_gc:
+            contexts.enter_context(frozen_gc())
+        try:
+            self.begin()
+        except BaseException:
+            contexts.close()
+            raise
+        self._contexts = contexts
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        contexts, self._contexts = self._contexts, None
+        try:
+            if exc is not None:
+                self.discard(f"the captured region raised {type(exc).__name__}: {exc}")
+            elif self.state is CaptureState.CAPTURING:
+                self.end()
+        finally:
+            if contexts is not None:
+                contexts.close()
+
+    def __repr__(self) -> str:
+        extra = f", failure={self.failure!r}" if self.failure else ""
+        return f"GraphCapture(state={self.state.value}, mode={self.mode}{extra})"
+
+
+@contextlib.contextmanager
+def frozen_gc() -> Iterator[None]:
+    """Keep the garbage collector from running during a capture.
+
+    A collection in the middle of a capture walks every Python object (slow
+    with a large model) and can run finalisers that touch CUDA; existing
+    objects are moved to the permanent generation so later collections skip them.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        if was_enabled:
+            gc.enable()
+
+
+def side_stream(stream: torch.cuda.Stream | None = None) -> torch.cuda.Stream:
+    """``stream``, or a new stream that first waits for the current one (captures need a non-default stream)."""
+    if stream is not None:
+        return stream
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    return s
+
+
+def warm_up(fn: Callable[[], Any], stream: torch.cuda.Stream, iters: int) -> Any:
+    """Run ``fn()`` ``iters`` times on ``stream`` after the current stream's work; return the last result.
+
+    The caller's stream waits for the runs. Warming up on the capture stream
+    sets up what libraries keep per stream (cuBLAS workspaces) outside the capture.
+    """
+    out = None
+    if iters <= 0:
+        return out
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(iters):
+            out = None  # free the previous run's outputs before the next
+            out = fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    return out
+
+
+def record_on_current_stream(leaves: Sequence[Any]) -> None:
+    """Tensors a warm-up made on the capture stream, now read on the caller's: keep the allocator
+    from reusing their memory on the capture stream before the caller's stream is done with them."""
+    current = torch.cuda.current_stream()
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            t.record_stream(current)

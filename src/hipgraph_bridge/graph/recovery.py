@@ -1,0 +1,96 @@
+"""The steps that leave the process usable after a capture failed; :class:`.capture.GraphCapture` runs them.
+
+Each step never raises (it logs what went wrong) because it runs while
+another exception, the one the caller must see, is on its way out.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+
+from .._torch_compat import OriginalCUDAGraph, end_allocate_to_pool
+from ..log import logger
+from ..runtime import captures_live, current_runtime
+
+__all__ = ["stream_is_capturing", "end_stream_capture", "release_capture_pool", "synchronize_quietly",
+           "rearm_generators"]
+
+
+def stream_is_capturing(stream: torch.cuda.Stream) -> bool:
+    """Whether ``stream`` is in capture mode (no context is created for it)."""
+    try:
+        with torch.cuda.stream(stream):
+            return bool(torch.cuda.is_current_stream_capturing())
+    except Exception:  # a stream whose device went away cannot be capturing
+        return False
+
+
+def end_stream_capture(stream: torch.cuda.Stream, *, destroy: bool = True) -> bool:
+    """Take ``stream`` out of capture mode through the runtime layer, discarding what was captured.
+
+    The partial graph is never instantiated: it can hold nodes that are unsafe
+    to instantiate (a conditional node whose body capture failed crashes the
+    driver there); ``destroy=False`` leaks it instead of destroying it, for the
+    same reason. Returns whether the stream is out of capture mode afterwards;
+    False also when no runtime binding is installed.
+    """
+    if not stream_is_capturing(stream):
+        return True
+    try:
+        current_runtime().end_capture_and_discard(stream.cuda_stream, destroy=destroy)
+    except Exception as exc:
+        logger.debug("gfxgraph: ending the capture of stream %#x through the runtime layer failed: %s",
+                     stream.cuda_stream, exc)
+    return not stream_is_capturing(stream)
+
+
+def release_capture_pool(device: int, pool: tuple[int, int]) -> None:
+    """Give back the pool reference the allocator took when the capture began."""
+    released, why = end_allocate_to_pool(device, pool)
+    if not released:
+        logger.debug("gfxgraph: pool %s not released after a failed capture: %s", pool, why)
+
+
+def synchronize_quietly(owner: object) -> None:
+    """Synchronise the device unless another capture is live (a sync would invalidate it)."""
+    if captures_live(excluding=owner):
+        logger.debug("gfxgraph: skipped device sync after failed capture: another capture is live")
+        return
+    try:
+        torch.cuda.synchronize()
+    except Exception as exc:
+        logger.log(logging.WARNING, "gfxgraph: device sync after failed capture raised: %s", exc)
+
+
+def rearm_generators(owner: object, generators: Iterable[torch.Generator]) -> None:
+    """Take RNG generators out of capture mode after a capture that never ended.
+
+    PyTorch's generators enter capture mode at ``capture_begin`` and leave it only
+    in a successful ``capture_end``; after a failed one every later random op
+    raises "Offset increment outside graph capture encountered unexpectedly".
+    A tiny capture that ends successfully, with the same generators registered
+    (the device's default one always is), runs the missing epilogue.
+    Skipped while another capture is live: its generator offsets would be reset.
+    """
+    if captures_live(excluding=owner):
+        logger.warning("gfxgraph: RNG generators not re-armed after a failed capture: another capture is "
+                       "live; random ops may fail until it ends")
+        return
+    try:
+        scratch = torch.zeros(1, device="cuda")
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        g = OriginalCUDAGraph()
+        for gen in generators:
+            g.register_generator_state(gen)
+        with torch.cuda.stream(stream):
+            g.capture_begin()
+            scratch.add_(1)
+            g.capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
+        g.reset()
+    except Exception as exc:
+        logger.warning("gfxgraph: could not re-arm RNG generators after a failed capture: %s", exc)
