@@ -1,0 +1,44 @@
+"""_torch_compat: which path each private PyTorch API takes on the installed torch (CPU part)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import GPU_SKIP_REASON
+from hipgraph_bridge import _torch_compat as tc
+
+
+def test_describe_names_every_path():
+    paths = tc.describe()
+    assert set(paths) == {"torch", "replay", "check_input_liveness", "graph_exit_frame", "pool_release",
+                          "weak_outputs", "raw_stream", "pointer_check"}
+    assert paths["torch"] == torch.__version__
+    assert paths["graph_exit_frame"] is True  # torch.cuda.graph.__exit__(self, *args) on every supported torch
+
+
+@pytest.mark.skipif(GPU_SKIP_REASON is None, reason="the CPU build's paths")
+def test_cpu_build_paths():
+    paths = tc.describe()
+    assert paths["raw_stream"] is False and paths["pointer_check"] == "Python"
+    major_minor = tuple(int(v) for v in torch.__version__.split(".")[:2])
+    if major_minor >= (2, 13):  # the Python replay checks input liveness: it is kept
+        assert paths["check_input_liveness"] is True
+        assert paths["replay"] == "CUDAGraph.replay (Python)"
+    assert tc.current_raw_stream() is None
+
+
+def test_graph_context_raised_outside_the_context_is_none():
+    assert tc.graph_context_raised(depth=1) is None
+
+
+def test_pointer_check_python_fallback():
+    a, b = torch.zeros(2), torch.zeros(3)
+    ptrs = [a.data_ptr(), None, b.data_ptr()]
+    assert tc.pointers_equal([a, 1, b], ptrs, [0, 2])
+    assert not tc.pointers_equal([b, 1, a], ptrs, [0, 2])
+
+
+def test_symbolic_helpers_on_plain_values():
+    assert tc.sym_expr(3) is None and tc.sym_hint(3) == 3 and tc.sym_hint(True) is None
+    assert tc.sym_range(None, None) == (2, None)  # no shape env: dynamo's usual 0/1 specialisation
