@@ -1,8 +1,9 @@
 """The ``gfxgraph`` torch.compile backend without a GPU: discovery, options, results equal eager.
 
-Without a GPU every graphed subgraph runs the pool's padded pipeline eagerly
-(static buffers, padding, slicing), so these tests cover the backend's whole
-input/output plumbing. Most use ``compiler="aot_eager"`` (no C++ build); one
+Without a GPU a graphed subgraph runs on the call's own inputs; these tests
+pass ``simulate_padding=True`` so that it runs the pool's padded pipeline
+eagerly instead (static buffers, padding, slicing) and they cover the
+backend's whole input/output plumbing. Most use ``compiler="aot_eager"`` (no C++ build); one
 test compiles with inductor on CPU (gcc), which takes a while on a cold cache.
 """
 
@@ -32,7 +33,7 @@ from hipgraph_bridge.errors import ConfigError
 
 register()  # also when the tests run from a checkout that is not installed (no entry points)
 cpu_only = pytest.mark.skipif(GPU_SKIP_REASON is None, reason="exercises the no-GPU pipeline")
-FAST = {"compiler": "aot_eager"}
+FAST = {"compiler": "aot_eager", "simulate_padding": True}
 
 
 _before: weakref.WeakSet = weakref.WeakSet()
@@ -492,13 +493,29 @@ def test_pool_of_a_state_writing_subgraph_never_reruns_it_to_validate():
         calls.append(1)
         return x + 1
 
-    x = torch.ones(2, 3)
+    x = torch.ones(4, 3)  # fills the bucket: nothing to pad
     gfxgraph.enable(validate=True)
     try:
-        quiet = ShapeBucketPool(fn, [4], batched_outputs=(True,), stateful=True)
-        assert quiet._validated(x + 1, (x,), {}) is not None and calls == []  # never re-run to validate
-        checked = ShapeBucketPool(fn, [4], batched_outputs=(True,))
-        torch.testing.assert_close(checked._validated(x + 1, (x,), {}), x + 1)
-        assert calls == [1]  # the default pool compares with a run of its own
+        quiet = ShapeBucketPool(fn, [4], batched_outputs=(True,), stateful=True, simulate_padding=True)
+        torch.testing.assert_close(quiet(x), x + 1)
+        assert calls == [1]  # never re-run to validate
+        checked = ShapeBucketPool(fn, [4], batched_outputs=(True,), simulate_padding=True)
+        torch.testing.assert_close(checked(x), x + 1)
+        assert calls == [1, 1, 1]  # the default pool compares with a run of its own
+        assert gfxgraph.stats()["validation_checks"] == 1
     finally:
         gfxgraph.disable()
+
+
+def test_without_a_gpu_a_subgraph_runs_on_the_calls_own_inputs():
+    seen = []
+
+    def f(x):
+        seen.append(x.shape[0])
+        return x - x.mean(0)  # rows depend on each other: padding would change the result
+
+    c = torch.compile(f, backend="gfxgraph", options={"compiler": "aot_eager"})
+    for n in (3, 5, 6):
+        x = torch.randn(n, 4)
+        torch.testing.assert_close(c(x), f(x))
+    assert not any(n in (4, 8) for n in seen[-3:]), seen  # never padded to a bucket

@@ -86,7 +86,7 @@ def test_padding_and_slicing_through_the_pipeline():
         seen_shapes.append(tuple(x.shape))
         return x * 2, x.sum(dim=1)
 
-    pool = ShapeBucketPool(model, [4, 8], pad_value=-1)
+    pool = ShapeBucketPool(model, [4, 8], pad_value=-1, simulate_padding=True)
     x = torch.arange(15.0).reshape(5, 3)
     y, s = pool(x)
     assert (8, 3) in seen_shapes  # padded up to bucket 8
@@ -95,7 +95,8 @@ def test_padding_and_slicing_through_the_pipeline():
     buf = pool.static_inputs[0]
     assert torch.equal(buf[5:8], torch.full((3, 3), -1.0))  # padding rows hold pad_value
     y2, _ = pool(torch.ones(2, 3))
-    assert seen_shapes[-1] == (4, 3) and torch.equal(y2, torch.full((2, 3), 2.0))
+    # padded to bucket 4, then (the bucket's first padded call) checked against a run on the 2 rows
+    assert seen_shapes[-2:] == [(4, 3), (2, 3)] and torch.equal(y2, torch.full((2, 3), 2.0))
     assert gfxgraph.stats()["fallback_reasons"]["no_gpu"] == 2
 
 
@@ -108,7 +109,7 @@ def test_every_size_matches_eager_with_pytrees_and_kwargs():
         h = lin(inputs["a"]) + inputs["b"][:, :4]
         return {"h": h * mask * scale, "pooled": (h * mask).sum(0), "n": 3}
 
-    pool = ShapeBucketPool(model, [1, 2, 4, 8, 16])
+    pool = ShapeBucketPool(model, [1, 2, 4, 8, 16], simulate_padding=True)
     for n in range(1, 17):
         a, b, mask = torch.randn(n, 6), torch.randn(n, 5), torch.rand(n, 1)
         got = pool({"a": a, "b": b}, mask=mask, scale=0.5)
@@ -189,7 +190,7 @@ def test_constants_are_part_of_the_key():
         calls.append(mode)
         return x * (2 if mode == "double" else 3)
 
-    pool = ShapeBucketPool(model, [4])
+    pool = ShapeBucketPool(model, [4], simulate_padding=True)
     x = torch.ones(3, 1)
     assert torch.equal(pool(x, "double"), x * 2)
     assert torch.equal(pool(x, "triple"), x * 3)
@@ -245,3 +246,122 @@ def test_a_call_from_another_stream_waits_for_the_default_stream(monkeypatch):
     pool._order_after_previous_call()
     assert side.waited == [0]
     assert default.waited == []
+
+
+# ------------------------------------------------- eager is the model on your own arguments
+@cpu_only
+def test_without_a_gpu_calls_run_the_model_on_the_callers_arguments():
+    seen = []
+
+    def model(x):
+        seen.append(tuple(x.shape))
+        return x - x.mean(0)  # rows interact: padding would change the result
+
+    pool = ShapeBucketPool(model, [4, 8])
+    for n in (3, 5, 8):
+        x = torch.randn(n, 2)
+        torch.testing.assert_close(pool(x), model(x))
+    assert (4, 2) not in seen[:3] and (8, 2) not in seen[:2]  # never padded
+    assert gfxgraph.stats()["fallback_reasons"]["no_gpu"] == 3
+
+
+@cpu_only
+def test_the_first_padded_call_of_a_row_coupled_model_is_caught():
+    def model(x):
+        return x - x.mean(0)
+
+    pool = ShapeBucketPool(model, [4, 8], simulate_padding=True)
+    x = torch.randn(5, 2)
+    torch.testing.assert_close(pool(x), model(x))  # the padded result differed: the eager one is returned
+    assert pool.row_coupled and "padded to 8" in next(iter(pool.row_coupled.values()))
+    torch.testing.assert_close(pool(torch.ones(3, 2)), torch.zeros(3, 2))  # padded calls run eagerly now
+    reasons = gfxgraph.stats()["fallback_reasons"]
+    assert reasons["padding_changes_results"] == 2
+    torch.testing.assert_close(pool(torch.ones(4, 2)), torch.zeros(4, 2))  # a full bucket needs no padding
+
+
+@cpu_only
+def test_a_stateful_model_is_never_padded():
+    steps = []
+
+    def model(x):
+        steps.append(x.shape[0])
+        return x * 2
+
+    pool = ShapeBucketPool(model, [4], stateful=True, simulate_padding=True)
+    torch.testing.assert_close(pool(torch.ones(3, 2)), torch.full((3, 2), 2.0))
+    assert steps == [3]  # on the caller's 3 rows, once
+    assert gfxgraph.stats()["fallback_reasons"]["padded_state_write"] == 1
+    pool(torch.ones(4, 2))
+    assert steps == [3, 4]
+
+
+@cpu_only
+def test_one_bucket_learns_which_outputs_carry_the_batch():
+    """A (4,) output with bucket 4 is not batched: a probe at another batch size tells it apart."""
+    bias = torch.arange(4.0)
+
+    def model(x):
+        return x * 2, bias + x.shape[1]
+
+    pool = ShapeBucketPool(model, [4], simulate_padding=True)
+    y, b = pool(torch.ones(3, 4))
+    assert y.shape == (3, 4) and b.shape == (4,)
+    torch.testing.assert_close(b, bias + 4)
+
+
+@cpu_only
+def test_outputs_that_cannot_be_learnt_run_padded_calls_eagerly(caplog):
+    def model(x):
+        if x.shape[0] != 4:
+            raise RuntimeError("this model only takes 4 rows")
+        return x * 2
+
+    pool = ShapeBucketPool(model, [4], simulate_padding=True)
+    pool(torch.ones(4, 2))  # fills the bucket: learning is attempted, the probe fails
+    assert "could not be learnt" in caplog.text
+    with pytest.raises(RuntimeError, match="only takes 4 rows"):  # padded: eager, on the caller's 3 rows
+        pool(torch.ones(3, 2))
+    assert gfxgraph.stats()["fallback_reasons"]["unknown_outputs"] == 1
+
+
+def test_inputs_that_require_grad_run_eagerly_with_autograd():
+    lin = torch.nn.Linear(3, 2)
+    pool = ShapeBucketPool(lin, [4])
+    x = torch.randn(3, 3, requires_grad=True)
+    y = pool(x)
+    y.sum().backward()
+    assert x.grad is not None and lin.weight.grad is not None
+    assert gfxgraph.stats()["fallback_reasons"]["grad"] == 1
+    with torch.no_grad():
+        torch.testing.assert_close(pool(x), lin(x))  # no grad mode: the inputs' flag does not matter
+
+
+@pytest.mark.parametrize("kwargs,call,exc,msg", [
+    ({"static_args": [3]}, lambda p: p(torch.ones(2, 2)), ValueError, r"static_args: \[3\] name no argument"),
+    ({"static_args": ["w"]}, lambda p: p(torch.ones(2, 2)), ValueError, r"keywords among \[\]"),
+    ({"batch_dim": 1}, lambda p: p(torch.ones(2, 2), torch.ones(5)), ValueError,
+     r"args\[1\]: expected a tensor with a batch dimension at dim 1, got shape \(5,\); name it in static_args"),
+])
+def test_arguments_that_do_not_fit_the_options_are_named(kwargs, call, exc, msg):
+    pool = ShapeBucketPool(lambda x, *a, **k: x, [4], **kwargs)
+    with pytest.raises(exc, match=msg):
+        call(pool)
+
+
+@pytest.mark.parametrize("kwargs,exc,msg", [
+    ({"buckets": [4], "max_batch_size": 8}, ValueError, "expected one of them"),
+    ({"batched_outputs": "yes"}, TypeError, "batched_outputs: expected a sequence of bools"),
+    ({"batched_outputs": [1, 0]}, TypeError, "batched_outputs: expected a sequence of bools"),
+    ({"stateful": "no"}, TypeError, "stateful: expected a bool"),
+])
+def test_conflicting_or_malformed_options(kwargs, exc, msg):
+    with pytest.raises(exc, match=msg):
+        ShapeBucketPool(lambda x: x, **kwargs)
+
+
+@cpu_only
+def test_capture_all_without_a_gpu_reports_nothing_captured():
+    pool = ShapeBucketPool(lambda x: x * 2, [2, 4], progress=False)
+    report = pool.capture_all(torch.ones(2, 3))
+    assert report["buckets"] == 2 and report["captured"] == 0 and pool.captured_buckets == []

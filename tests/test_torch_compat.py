@@ -28,8 +28,8 @@ def test_cpu_build_paths():
     assert tc.current_raw_stream() is None
 
 
-def test_graph_context_raised_outside_the_context_is_none():
-    assert tc.graph_context_raised(depth=1) is None
+def test_graph_context_exception_outside_the_context_is_none():
+    assert tc.graph_context_exception(depth=1) is None
 
 
 def test_pointer_check_python_fallback():

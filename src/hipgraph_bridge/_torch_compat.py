@@ -8,6 +8,7 @@ below is probed once; :func:`describe` reports the path this process took
 what                           torch 2.6 - 2.12 (device: 2.11)             torch 2.13+ (CI: 2.13 CPU)
 =============================  ==========================================  ======================================
 ``torch.utils._pytree``        argument and output trees (no public twin)  same
+``TorchDispatchMode``          input liveness in debug/validate mode       not needed: PyTorch's own check
 replay entry point             ``torch._C._CUDAGraph.replay`` when the     the Python ``CUDAGraph.replay`` (it
                                Python wrapper only delegates               checks input liveness when asked)
 ``check_input_liveness``       absent: debug mode records the captured     passed to ``capture_begin``
@@ -45,13 +46,15 @@ from typing import Any
 import torch
 import torch.cuda.graphs
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "pytree",
+    "TorchDispatchMode",
     "OriginalCUDAGraph",
     "base_replay",
     "has_check_input_liveness",
-    "graph_context_raised",
+    "graph_context_exception",
     "end_allocate_to_pool",
     "weak_view_supported",
     "storage_use_count",
@@ -66,6 +69,7 @@ __all__ = [
     "compile_fx",
     "mode_options",
     "cpp_compiler_problem",
+    "inductor_config_keys",
     "dynamo_registry",
     "lookup_backend",
     "is_dynamo_signal",
@@ -93,19 +97,19 @@ has_check_input_liveness = "check_input_liveness" in inspect.signature(OriginalC
 _GRAPH_EXIT = getattr(torch.cuda.graphs.graph.__exit__, "__code__", None)
 
 
-def graph_context_raised(depth: int = 2) -> bool | None:
-    """Whether ``capture_end`` is being called by ``torch.cuda.graph.__exit__`` for a region that raised.
+def graph_context_exception(depth: int = 2) -> BaseException | None:
+    """The exception a ``torch.cuda.graph`` region raised, when ``capture_end`` is called by its ``__exit__``.
 
-    True/False when the caller ``depth`` frames up is that ``__exit__`` (it
-    passes no exception to ``capture_end``, so its frame's ``args`` are read);
-    None when ``capture_end`` was called some other way (then it was asked for
-    explicitly, and the region did not raise).
+    That ``__exit__`` passes no exception to ``capture_end``, so the frame
+    ``depth`` levels up is read. None when the region did not raise, or when
+    ``capture_end`` was called some other way (an explicit end, whatever
+    exception the caller may be handling).
     """
     frame = sys._getframe(depth)
     if frame.f_code is not _GRAPH_EXIT:
         return None
     args = frame.f_locals.get("args")
-    return bool(args) and args[0] is not None
+    return args[1] if args and len(args) > 1 and isinstance(args[1], BaseException) else None
 
 
 def end_allocate_to_pool(device: int, pool: tuple[int, int]) -> tuple[bool, str]:
@@ -262,6 +266,14 @@ def cpp_compiler_problem() -> str | None:
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+@functools.lru_cache(maxsize=1)
+def inductor_config_keys() -> frozenset[str]:
+    """Every key ``torch._inductor.config`` accepts as a config patch (dotted for nested ones)."""
+    import torch._inductor.config as inductor_config  # heavy: imports inductor
+
+    return frozenset(inductor_config.get_config_copy())
 
 
 def dynamo_registry() -> Any:

@@ -17,8 +17,12 @@ def clone_tree(tree: Any) -> Any:
 
 
 def describe(x: object) -> str:
+    """What ``x`` is, for "expected X, got Y" messages (a tuple shows what it holds)."""
     if isinstance(x, torch.Tensor):
         return f"Tensor(shape={tuple(x.shape)}, dtype={x.dtype}, device={x.device})"
+    if isinstance(x, (tuple, list)):
+        inner = ", ".join(describe(v) for v in x[:4]) + (", ..." if len(x) > 4 else "")
+        return f"{type(x).__name__} of ({inner})"
     return type(x).__name__
 
 

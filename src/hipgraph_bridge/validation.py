@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -17,7 +18,7 @@ from . import stats
 from ._torch_compat import pytree
 from .log import log_once
 
-__all__ = ["Tolerance", "tolerance_for", "outputs_match", "checked_against_eager"]
+__all__ = ["Tolerance", "tolerance_for", "outputs_match", "checked_against_eager", "padding_changed"]
 
 
 @dataclass(frozen=True)
@@ -72,3 +73,42 @@ def checked_against_eager(graph_out: object, eager_out: object, *, owner: object
     log_once(("validation", id(owner)), logging.WARNING,
              "gfxgraph: %s replay differs from eager (%s); returning the eager result", what, why)
     return eager_out
+
+
+# relative-norm tolerance of the padding check: well above rounding (GEMMs of two sizes sum in
+# different orders), well below what one changed row does to an output
+_PADDING_RTOL = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 4e-2}
+
+
+def padding_changed(padded: Any, unpadded: Any) -> str:
+    """Why a padded result differs from an unpadded one beyond rounding ("" when they agree).
+
+    Compared by relative norm per output, so GEMMs of two sizes summing in
+    different orders do not count, while one changed row does. Costs a host
+    sync and a float64 copy of each output.
+    """
+    a_leaves, a_spec = pytree.tree_flatten(padded)
+    b_leaves, b_spec = pytree.tree_flatten(unpadded)
+    if a_spec != b_spec:
+        return f"output structure {a_spec} vs {b_spec}"
+    for k, (a, b) in enumerate(zip(a_leaves, b_leaves)):
+        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+            if a != b:
+                return f"output {k}: {a!r} vs {b!r}"
+            continue
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return f"output {k}: {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}"
+        if not (a.is_floating_point() or a.is_complex()):
+            if not torch.equal(a, b):
+                return f"output {k}: integer values differ"
+            continue
+        wide = torch.complex128 if a.is_complex() else torch.float64
+        fa, fb = a.detach().to(wide), b.detach().to(wide)
+        finite = torch.isfinite(fb)
+        if not torch.equal(torch.isfinite(fa), finite):
+            return f"output {k}: non-finite values in different places"
+        fa, fb = fa[finite], fb[finite]
+        rel = ((fa - fb).norm() / fb.norm().clamp_min(1e-30)).item()
+        if rel > _PADDING_RTOL.get(a.dtype, 1e-3):
+            return f"output {k}: relative difference {rel:.3g}"
+    return ""

@@ -487,7 +487,7 @@ def _b_comp_opts(ctx: Ctx) -> None:
     _record(ctx, expect_raises(ValueError, r"swap: expected one of auto, reinstantiate", GraphCompositor,
                                runtime=_FakeRuntime(), swap="fast"))
     _record(ctx, expect_raises(TypeError, r"runtime: expected None, a Runtime or one of", GraphCompositor, runtime=5))
-    _record(ctx, expect_raises(ValueError, r"kind: expected one of auto, cuda-bindings, ctypes", GraphCompositor,
+    _record(ctx, expect_raises(ValueError, r"runtime: expected None, a Runtime or one of auto, cuda-bindings, ctypes, got .nope.", GraphCompositor,
                                runtime="nope"))
 
 

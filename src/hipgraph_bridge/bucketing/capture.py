@@ -39,6 +39,7 @@ class Captured:
     warm: Any = None
     reason: str = ""
     failed: str | None = None
+    stage: str = ""  # where a failure happened: "warm_up" (the model raised) or "capture"
 
 
 class BucketCapturer:
@@ -85,17 +86,19 @@ class BucketCapturer:
         result = Captured()
         g = SafeCUDAGraph()
         g.register_generators(self.generators)
+        result.stage = "warm_up"
         try:
             with torch.no_grad():
                 warm = warm_up(run, self._stream, self.warmup_iters)
                 result.warm = warm if keep_warm else None
                 del warm  # ahead-of-time capture: nobody returns it, so free it before capturing
-                torch.cuda.synchronize()
+                result.stage = "capture"
                 with g.capturing(pool=self._pool_handle, stream=self._stream,
                                  capture_error_mode=self.capture_error_mode, freeze_gc=freeze_gc):
                     result.outputs = run()
         except Exception as exc:
-            self._retire_pool()
+            if result.stage == "capture":
+                self._retire_pool()
             logger.warning("gfxgraph: bucket %d runs eagerly from now on: capture failed: %s", bucket, exc)
             result.reason, result.failed = "capture_failed", f"bucket {bucket}: {type(exc).__name__}: {exc}"
             return result

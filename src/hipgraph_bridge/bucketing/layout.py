@@ -4,7 +4,8 @@ A call ``pool(*args, **kwargs)`` is flattened into leaves (any pytree). Each
 leaf is one of three kinds:
 
 * ``batched``: a tensor with the batch in ``batch_dim`` (all of them agree on its size ``B``);
-* ``static``: a tensor named in ``static_args`` or with no ``batch_dim`` (copied whole);
+* ``static``: a tensor named in ``static_args``, or a 0-dim tensor (copied whole); a
+  tensor with dims but none at ``batch_dim`` is an error unless named there;
 * ``const``: any other value, part of the graph key (it must be hashable).
 
 The first call fixes the layout (tree structure, kinds, and per tensor its
@@ -85,8 +86,11 @@ def _leaf_kind(leaf: Any, path: str, *, static: bool, batch_dim: int) -> tuple[s
             raise TypeError(f"{path}: non-tensor arguments are part of the graph key and must be "
                             f"hashable; got {type(leaf).__name__}") from None
         return CONST, None
-    if static or leaf.dim() <= batch_dim:
+    if static or leaf.dim() == 0:
         return STATIC, (leaf.dtype, leaf.device, tuple(leaf.shape))
+    if leaf.dim() <= batch_dim:
+        raise ValueError(f"{path}: expected a tensor with a batch dimension at dim {batch_dim}, got shape "
+                         f"{tuple(leaf.shape)}; name it in static_args if it has no batch dimension")
     shape = tuple(leaf.shape)
     return BATCHED, (leaf.dtype, leaf.device, shape[:batch_dim] + shape[batch_dim + 1:])
 
@@ -123,6 +127,11 @@ def classify(args: tuple[Any, ...], kwargs: dict[str, Any], *, batch_dim: int,
             kinds.append(kind)
             metas.append(meta)
             where.append(path)
+    unknown = sorted((s for s in static_args if s not in kwargs and not (isinstance(s, int) and s < len(args))),
+                     key=str)
+    if unknown:
+        raise ValueError(f"static_args: {unknown} name no argument of this call; expected positions below "
+                         f"{len(args)} or keywords among {sorted(kwargs)}")
     if batch < 0:
         given = ", ".join([*(describe(a) for a in args), *(f"{k}={describe(v)}" for k, v in kwargs.items())])
         raise TypeError(f"expected at least one tensor argument with a batch dimension (dim {batch_dim}); "
@@ -164,7 +173,7 @@ class QuickPlan:
                 except TypeError:
                     return None
                 continue
-            if not isinstance(a, torch.Tensor) or a.dtype != meta[0] or a.device != meta[1]:
+            if not isinstance(a, torch.Tensor) or a.dtype != meta[0] or a.device != meta[1] or a.requires_grad:
                 return None
             shape = a.shape
             if kind == STATIC:

@@ -28,7 +28,8 @@ BatchedOutputs = Union[Sequence[bool], Callable[[Any], Union[Sequence[bool], Non
 def check_batched_outputs(value: object) -> BatchedOutputs:
     if value is None or callable(value):
         return value  # type: ignore[return-value]
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) \
+            or not all(isinstance(v, bool) for v in value):
         raise TypeError("batched_outputs: expected a sequence of bools (one per output leaf), a function "
                         f"of the outputs returning them, or None, got {value!r}")
     return tuple(value)
@@ -36,12 +37,20 @@ def check_batched_outputs(value: object) -> BatchedOutputs:
 
 @dataclass
 class OutputLayout:
-    """One bucket's outputs: their tree, which leaves carry the batch, sliced views per batch size."""
+    """One bucket's outputs: their tree, which leaves carry the batch, sliced views per batch size.
+
+    ``batched`` is None when it could not be learnt (the probe run failed):
+    then a padded call cannot be sliced back, and runs eagerly instead.
+    """
 
     size: int  # the bucket
     spec: Any
-    batched: tuple[bool, ...]
+    batched: tuple[bool, ...] | None
     _views: dict[int, list[Any]] = field(default_factory=dict)
+
+    @property
+    def known(self) -> bool:
+        return self.batched is not None
 
     def result(self, leaves: list[Any], batch: int, *, batch_dim: int, copy: bool, cache: bool) -> Any:
         """The outputs of a call of ``batch`` rows: batched leaves sliced to ``batch``, copied if asked.
@@ -50,8 +59,11 @@ class OutputLayout:
         """
         sliced = self._views.get(batch) if cache else None
         if sliced is None:
+            if batch < self.size and self.batched is None:
+                raise RuntimeError("the outputs' batch dimensions are unknown: a padded result cannot be sliced")
+            flags = self.batched or (False,) * len(leaves)
             sliced = [o.narrow(batch_dim, 0, batch) if is_b and batch < self.size else o
-                      for o, is_b in zip(leaves, self.batched)]
+                      for o, is_b in zip(leaves, flags)]
             if cache:
                 self._views[batch] = sliced
         if copy:
@@ -60,13 +72,15 @@ class OutputLayout:
 
 
 def learn_output_layout(outputs: Any, bucket: int, *, batch_dim: int, given: BatchedOutputs,
-                        known: tuple[bool, ...] | None, probe: Callable[[], tuple[int, list[Any]] | None]
-                        ) -> OutputLayout:
+                        known: tuple[bool, ...] | None,
+                        probe: Callable[[], tuple[int, list[Any]] | None] | None) -> OutputLayout:
     """The layout of a bucket's ``outputs``.
 
     ``known``: flags learnt earlier for the same constant arguments.
     ``probe``: runs the model eagerly at another batch size and returns
-    (that size, its output leaves), or None when no other size can be tried.
+    (that size, its output leaves), or None when that failed; ``probe=None``
+    means no call will ever be sliced (bucket 1, or a model never padded),
+    so the flags are not needed.
     """
     leaves, spec = pytree.tree_flatten(outputs)
     if known is not None:
@@ -79,33 +93,35 @@ def learn_output_layout(outputs: Any, bucket: int, *, batch_dim: int, given: Bat
         return OutputLayout(bucket, spec, tuple(bool(f) for f in flags))
     bd = batch_dim
     candidates = tuple(isinstance(o, torch.Tensor) and o.dim() > bd and o.shape[bd] == bucket for o in leaves)
-    if any(candidates):
-        found = probe()
-        if found is not None and len(found[1]) == len(leaves):
-            size, other = found
-            candidates = tuple(c and isinstance(p, torch.Tensor) and p.dim() > bd and p.shape[bd] == size
-                               for c, p in zip(candidates, other))
-    return OutputLayout(bucket, spec, candidates)
+    if not any(candidates) or probe is None or bucket == 1:
+        return OutputLayout(bucket, spec, candidates)
+    found = probe()
+    if found is None or len(found[1]) != len(leaves):
+        logger.warning("gfxgraph: which outputs carry the batch could not be learnt (the model did not run at "
+                       "another batch size); calls that need padding run eagerly. Pass batched_outputs= "
+                       "(one flag per output leaf) to graph them")
+        return OutputLayout(bucket, spec, None)
+    size, other = found
+    return OutputLayout(bucket, spec, tuple(c and isinstance(p, torch.Tensor) and p.dim() > bd and p.shape[bd] == size
+                                            for c, p in zip(candidates, other)))
 
 
 def probe_other_size(model_fn: Callable[..., Any], inputs: Any, leaves: list[Any], bucket: int,
-                     buckets: Sequence[int]) -> tuple[int, list[Any]] | None:
+                     largest: int) -> tuple[int, list[Any]] | None:
     """Run the model eagerly at a batch size other than ``bucket`` (on the static buffers' rows).
 
-    Returns (that size, its output leaves), or None when the pool has one
-    bucket or the run fails (a model whose state has a fixed batch size).
+    Tries 1, then ``bucket - 1`` (or 2 for bucket 1); returns (that size, its
+    output leaves), or None when every try failed (a model whose state has a
+    fixed batch size, batch norm at batch 1).
     """
-    size = 1 if bucket != 1 else (2 if buckets[-1] >= 2 else 0)
-    if not size or len(buckets) < 2:
-        return None
-    try:
-        with torch.no_grad():
-            a, k = inputs.bucket_args(size, leaves)
-            return size, pytree.tree_leaves(model_fn(*a, **k))
-    except Exception as exc:
-        logger.debug("gfxgraph: output probe at batch %d failed (%s); outputs with %d rows are taken as "
-                     "batched", size, exc, bucket)
-        return None
+    for size in dict.fromkeys(s for s in (1, bucket - 1 if bucket > 1 else 2) if s != bucket and s <= largest):
+        try:
+            with torch.no_grad():
+                a, k = inputs.bucket_args(size, leaves)
+                return size, pytree.tree_leaves(model_fn(*a, **k))
+        except Exception as exc:
+            logger.debug("gfxgraph: output probe at batch %d failed: %s", size, exc)
+    return None
 
 
 def same_kinds(first: list[Any], static: list[Any]) -> bool:

@@ -25,11 +25,9 @@ Workflow of a call ``pool(*args, **kwargs)``:
    and any call may overwrite the static outputs of every bucket.
 
 Calls are serialised by a lock; a call from another CUDA stream than the
-previous one first waits for it. Model calls run under ``torch.no_grad()``
-(inference; use ``torch.cuda.make_graphed_callables`` for training).
-:meth:`~ShapeBucketPool.capture_all` runs the model on the example arguments,
-so reset model state after it. In validation mode every call also runs
-eagerly and returns the eager result on a mismatch (not for ``stateful`` models).
+previous one first waits for it. :meth:`~ShapeBucketPool.capture_all` runs the
+model on the example arguments, so reset model state after it. In validation
+mode every call also runs eagerly and returns the eager result on a mismatch.
 
 What it will not do: make a non-batched output that reduces over the batch
 (a batch mean) match eager when padding rows are added. Validation mode catches it.
@@ -40,8 +38,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -49,7 +46,7 @@ from tqdm.auto import tqdm
 
 from .. import config, stats
 from .._torch_compat import current_raw_stream, pytree
-from ..checks import check_bool, check_cuda_generators, check_int
+from ..checks import check_bool
 from ..config import check_vram_cap, read_vram_cap
 from ..graph.bridged import SafeCUDAGraph
 from ..graph.capture import check_capture_mode, frozen_gc, record_on_current_stream
@@ -60,53 +57,15 @@ from ..validation import checked_against_eager
 from .buckets import BucketTable, default_buckets, validate_buckets
 from .buffers import StaticInputs
 from .capture import BucketCapturer, Captured
+from .entry import MISSING, Bucket
 from .layout import CallLayout, QuickPlan, classify
-from .outputs import (
-    BatchedOutputs,
-    OutputLayout,
-    check_batched_outputs,
-    learn_output_layout,
-    probe_other_size,
-    same_kinds,
-)
+from .options import check_pool_options
+from .outputs import BatchedOutputs, OutputLayout, check_batched_outputs, learn_output_layout, probe_other_size
+from .padding import PaddingGuard
 
 __all__ = ["ShapeBucketPool"]
 
-_MISSING = object()  # a first call that produced no result of its own
-
-
-@dataclass
-class _Bucket:
-    """One captured (or eager) bucket for one key of constant arguments."""
-
-    size: int
-    key: tuple[Hashable, ...] = ()  # the constant arguments
-    graph: SafeCUDAGraph | None = None
-    outputs: list[Any] | None = None  # the graph's static output leaves
-    layout: OutputLayout | None = None
-    reason: str = ""  # fallback reason key when this bucket runs eagerly ("vram_cap", ...)
-    failed: str | None = None  # the explanation when this bucket runs eagerly
-
-
-def _check_options(model_fn: Any, batch_dim: Any, oversize: Any, warmup_iters: Any, pad_value: Any,
-                   static_args: Any, copy_outputs: Any, progress: Any, generators: Sequence[Any]) -> None:
-    if not callable(model_fn):
-        raise TypeError(f"model_fn: expected a callable, got {type(model_fn).__name__}")
-    check_int("batch_dim", batch_dim)
-    if oversize not in ("eager", "error"):
-        raise ValueError(f"oversize: expected 'eager' or 'error', got {oversize!r}")
-    check_int("warmup_iters", warmup_iters)
-    if pad_value is not None and not isinstance(pad_value, (int, float, bool)):
-        raise TypeError(f"pad_value: expected a number or None, got {type(pad_value).__name__}")
-    if isinstance(static_args, (str, bytes)) or not isinstance(static_args, Iterable):
-        raise TypeError(f"static_args: expected a collection of argument positions (int) or names (str), "
-                        f"got {static_args!r}")
-    for s in static_args:
-        if isinstance(s, bool) or not isinstance(s, (int, str)):
-            raise TypeError(f"static_args: expected argument positions (int) or names (str), got {s!r}")
-    check_bool("copy_outputs", copy_outputs)
-    check_bool("progress", progress)
-    check_cuda_generators("generators", generators)
+_EAGER = object()  # the call ran eagerly (the result is in _last_eager): nothing to check
 
 
 class ShapeBucketPool:
@@ -115,7 +74,7 @@ class ShapeBucketPool:
     Args:
         model_fn: the model; called as ``model_fn(*args, **kwargs)``.
         buckets: batch sizes to capture (validated, sorted, de-duplicated);
-            default :func:`default_buckets` up to ``max_batch_size``.
+            default :func:`default_buckets` up to ``max_batch_size`` (256; give one or the other).
         batch_dim: the dimension that carries the batch in inputs and outputs.
         static_args: positions (ints) or keyword names (strs) of tensor arguments
             without a batch dimension; they are copied into static buffers each call.
@@ -129,7 +88,8 @@ class ShapeBucketPool:
             model runs once per call). 0 captures without warm-up, then replays.
         vram_cap: fraction of device memory; a capture that would pass it runs
             eagerly instead (reason ``vram_cap``). Default: ``GFXGRAPH_VRAM_CAP`` or 0.90.
-        capture_error_mode: passed to ``capture_begin``.
+        capture_error_mode: passed to ``capture_begin``; ``"thread_local"`` (default) keeps
+            the pool's captures from breaking CUDA work in other threads.
         generators: extra ``torch.Generator``\\ s to register with every graph so
             their random streams advance per replay (the default generator always is).
         progress: show a tqdm bar in :meth:`capture_all`.
@@ -138,8 +98,16 @@ class ShapeBucketPool:
             learnt with one extra eager run at another batch size (when there are
             several buckets); pass it for a model whose state has a fixed batch size
             (a KV cache), where that run would fail or write the state.
-        stateful: the model writes state it keeps (a static KV cache), so it is
-            never run twice for one call: validation mode does not re-run it.
+        stateful: the model writes state it keeps (a static KV cache): it is never
+            run twice for one call (no validation re-run, no padding check, no output
+            probe) and never padded (a batch that is not a bucket runs eagerly).
+        simulate_padding: without a GPU, run calls the way a replay would (padded
+            static buffers, sliced outputs) instead of on your own arguments: for
+            checking what padding does to a model, on any machine. Off by default.
+
+    Padding rules (stateful models, a model whose rows interact): :mod:`.padding`.
+    Inputs that require grad, with grad mode on, run eagerly (reason ``grad``):
+    graphs here are for inference; use ``torch.cuda.make_graphed_callables`` to train.
     """
 
     def __init__(
@@ -147,7 +115,7 @@ class ShapeBucketPool:
         model_fn: Callable[..., Any],
         buckets: Iterable[int] | None = None,
         *,
-        max_batch_size: int = 256,
+        max_batch_size: int | None = None,
         batch_dim: int = 0,
         static_args: Collection[int | str] = (),
         pad_value: float | int | bool | None = 0,
@@ -155,17 +123,23 @@ class ShapeBucketPool:
         oversize: Literal["eager", "error"] = "eager",
         warmup_iters: int = 1,
         vram_cap: float | None = None,
-        capture_error_mode: str = "global",
+        capture_error_mode: str = "thread_local",
         generators: Sequence[torch.Generator] = (),
         progress: bool = True,
         batched_outputs: BatchedOutputs = None,
         stateful: bool = False,
+        simulate_padding: bool = False,
     ) -> None:
-        _check_options(model_fn, batch_dim, oversize, warmup_iters, pad_value, static_args, copy_outputs,
-                       progress, generators)
+        check_pool_options(model_fn, batch_dim, oversize, warmup_iters, pad_value, static_args, copy_outputs,
+                           progress, generators)
+        check_bool("stateful", stateful)
+        check_bool("simulate_padding", simulate_padding)
+        if buckets is not None and max_batch_size is not None:
+            raise ValueError(f"buckets={list(buckets)!r} and max_batch_size={max_batch_size!r}: expected one of them "
+                             "(max_batch_size only chooses the default buckets)")
         self.model_fn = model_fn
         self.buckets: list[int] = (validate_buckets(buckets) if buckets is not None
-                                   else default_buckets(max_batch_size))
+                                   else default_buckets(256 if max_batch_size is None else max_batch_size))
         self.max_bucket = self.buckets[-1]
         self.batch_dim = batch_dim
         self.static_args = frozenset(static_args)
@@ -175,33 +149,26 @@ class ShapeBucketPool:
         self.warmup_iters = warmup_iters
         self.progress = progress
         self.batched_outputs = check_batched_outputs(batched_outputs)
-        self.stateful = bool(stateful)
+        self.stateful = stateful
+        self.simulate_padding = simulate_padding
+        self._padding = PaddingGuard(stateful=stateful)
         self._table = BucketTable(self.buckets)
-        self._capturer = BucketCapturer(
-            warmup_iters=warmup_iters, vram_cap=read_vram_cap() if vram_cap is None else check_vram_cap(vram_cap),
-            capture_error_mode=check_capture_mode(capture_error_mode), generators=generators)
+        self.vram_cap = read_vram_cap() if vram_cap is None else check_vram_cap(vram_cap)
+        self.capture_error_mode = check_capture_mode(capture_error_mode)
+        self.generators = tuple(generators)
+        self._capturer = BucketCapturer(warmup_iters=warmup_iters, vram_cap=self.vram_cap,
+                                        capture_error_mode=self.capture_error_mode, generators=self.generators)
         self._graphs_available = probe().graphs_available
         self._lock = threading.RLock()
         self._inputs: StaticInputs | None = None
         self._quick: QuickPlan | None = None  # the hot path's flattening, for plain positional layouts
-        self._entries: dict[tuple[int, tuple[Hashable, ...]], _Bucket] = {}
-        self._out_flags: dict[tuple[Hashable, ...], tuple[bool, ...]] = {}
+        self._entries: dict[tuple[int, tuple[Hashable, ...]], Bucket] = {}
+        self._out_flags: dict[tuple[Hashable, ...], tuple[bool, ...]] = {}  # learnt batched-output flags
         self._last_stream: torch.cuda.Stream | None = None  # stream of the previous call
         # its handle: comparing handles is much cheaper than Stream objects. None until a first call
         # (the default stream's handle is 0, so 0 cannot mean "no call yet")
         self._last_raw_stream: int | None = None
-
-    @property
-    def vram_cap(self) -> float:
-        return self._capturer.vram_cap
-
-    @property
-    def capture_error_mode(self) -> str:
-        return self._capturer.capture_error_mode
-
-    @property
-    def generators(self) -> tuple[torch.Generator, ...]:
-        return self._capturer.generators
+        self._last_eager: Any = None  # under the lock: the result of a call that _replay/_first_call ran eagerly
 
     @property
     def capture_seconds(self) -> float:
@@ -223,34 +190,68 @@ class ShapeBucketPool:
                 leaves, batch = matched
                 inputs = self._inputs
                 assert inputs is not None  # a quick plan exists only with fixed inputs
-            else:  # the first call, another layout, or the pool was closed meanwhile
+            else:  # the first call, another layout, inputs that require grad, or the pool was closed meanwhile
                 leaves, layout, batch = classify(args, kwargs, batch_dim=self.batch_dim,
                                                  static_args=self.static_args)
+                if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
+                    return self._with_grad(args, kwargs)
                 inputs = self._fixed_inputs(leaves, layout)
             if batch > self.max_bucket:
                 return self._oversize(batch, args, kwargs)
+            if not self._graphs_available and not self.simulate_padding:
+                stats.record_fallback("no_gpu", probe().reason or "")
+                return self._eager(args, kwargs)
             bucket = self._table[batch]
-            key = (bucket, inputs.layout.consts(leaves) if inputs.layout.has_consts else ())
-            entry = self._entries.get(key)
+            consts = inputs.layout.consts(leaves) if inputs.layout.has_consts else ()
+            entry = self._entries.get((bucket, consts))
+            if batch < bucket:
+                refusal = self._padding.refusal(consts, outputs_known=entry is None or entry.layout is None
+                                                or entry.layout.known)
+                if refusal is not None:
+                    stats.record_fallback(*refusal)
+                    return self._eager(args, kwargs)
             if self._graphs_available:
                 self._order_after_previous_call()
-            if entry is None:
-                inputs.stage(leaves, batch)
-                entry, out = self._first_call(bucket, key, leaves, batch)
-                if out is not _MISSING:
-                    return self._validated(out, args, kwargs)
-            elif entry.failed is None:
-                inputs.stage(leaves, batch)
-            if entry.failed is not None:
+            if entry is not None and entry.failed is not None:
                 stats.record_fallback(entry.reason, entry.failed)
                 return self._eager(args, kwargs)
-            if entry.graph is None:
-                return self._padded_eager(entry, leaves, batch)
-            entry.graph.replay()
-            assert entry.layout is not None and entry.outputs is not None
-            out = entry.layout.result(entry.outputs, batch, batch_dim=self.batch_dim, copy=self.copy_outputs,
-                                      cache=True)
-            return self._validated(out, args, kwargs)
+            inputs.stage(leaves, batch)
+            if entry is None:
+                entry, out = self._first_call(bucket, (bucket, consts), leaves, batch, args, kwargs)
+            else:
+                out = self._replay(entry, leaves, batch, args, kwargs)
+            if out is _EAGER:
+                return self._last_eager
+            return self._checked(entry, out, batch, args, kwargs)
+
+    def _replay(self, entry: Bucket, leaves: list[Any], batch: int, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> Any:
+        """The bucket's graph on the staged inputs (the padded pipeline, eagerly, when simulated)."""
+        if entry.graph is None:
+            return self._padded_eager(entry, leaves, batch)
+        layout = entry.layout
+        assert layout is not None and entry.outputs is not None
+        if batch < entry.size and not layout.known:  # learnt at this call's capture: cannot slice
+            stats.record_fallback("unknown_outputs", "which outputs carry the batch is unknown; pass batched_outputs=")
+            return self._ran_eagerly(args, kwargs)
+        entry.graph.replay()
+        return layout.result(entry.outputs, batch, batch_dim=self.batch_dim, copy=self.copy_outputs, cache=True)
+
+    def _checked(self, entry: Bucket, out: Any, batch: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A bucket's first padded result is compared with eager (:mod:`.padding`); every result in
+        validation mode (dtype-aware tolerances, counted, eager returned on a mismatch)."""
+        validate = config.switches.validate and not self.stateful
+        key = (entry.size, entry.key)
+        first_padded = batch < entry.size and self._padding.needs_check(key)
+        if not (validate or first_padded):
+            return out
+        reference = None
+        if first_padded:
+            out, reference = self._padding.check(key, batch, out, lambda: self._eager(args, kwargs))
+        if validate:
+            eager = reference if reference is not None else self._eager(args, kwargs)
+            return checked_against_eager(out, eager, owner=self, what="ShapeBucketPool")
+        return out
 
     def _fixed_inputs(self, leaves: list[Any], layout: CallLayout) -> StaticInputs:
         """The static inputs of the fixed layout; the first call fixes it (allocating the buffers)."""
@@ -276,54 +277,49 @@ class ShapeBucketPool:
         stats.record_fallback("oversize", f"batch {batch} > largest bucket {self.max_bucket}")
         return self._eager(args, kwargs)
 
-    def _first_call(self, bucket: int, key: tuple[int, tuple[Hashable, ...]], leaves: list[Any],
-                    batch: int) -> tuple[_Bucket, Any]:
-        """Capture a bucket on its first call; the result when the warm-up was this call's run."""
+    def _ran_eagerly(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self._last_eager = self._eager(args, kwargs)
+        return _EAGER
+
+    def _with_grad(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        stats.record_fallback("grad", "inputs require grad with grad mode on: the model runs eagerly, backward "
+                              "included (graphs here are for inference: call under torch.no_grad() or "
+                              "torch.inference_mode(), or graph training with torch.cuda.make_graphed_callables)")
+        return self.model_fn(*args, **kwargs)
+
+    def _first_call(self, bucket: int, key: tuple[int, tuple[Hashable, ...]], leaves: list[Any], batch: int,
+                    args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Bucket, Any]:
+        """Capture a bucket on its first call and answer the call (its warm-up run, when that can be)."""
         entry, captured = self._capture(bucket, key, leaves, keep_warm=True)
         warm = captured.warm
-        if warm is None:
-            return entry, _MISSING
-        if entry.layout is not None:  # the capture ran (its graph may have been undone for the VRAM cap)
-            out = self._warm_result(entry, warm, batch)
-            if out is not _MISSING:
+        if captured.failed is not None and captured.stage == "warm_up":
+            # the model raised on the padded buffers: on the caller's own arguments, its own error is the answer
+            try:
+                out = self._ran_eagerly(args, kwargs)
+            except Exception:
+                del self._entries[key]  # a bad input, not a bad bucket: a later good call captures it
+                raise
+            stats.record_fallback(entry.reason, entry.failed or "")
+            return entry, out
+        if warm is not None and entry.layout is not None:  # the capture ran (the VRAM cap may have undone it)
+            out = entry.warm_result(warm, batch, batch_dim=self.batch_dim, copy=self.copy_outputs)
+            if out is not MISSING:
                 return entry, out
             logger.debug("gfxgraph: bucket %d: the warm-up's outputs differ from the captured ones; "
                          "this call replays the graph (the model ran twice)", bucket)
-            return entry, _MISSING
-        if entry.failed is not None and bucket == batch:
+        elif warm is not None and entry.failed is not None and bucket == batch:
             # the capture failed after a good warm-up of exactly this batch: that run is the result
             stats.record_fallback(entry.reason, entry.failed)
             record_on_current_stream(pytree.tree_leaves(warm))
             if self.copy_outputs:  # it may alias the static input buffers
                 warm = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, warm)
-            return entry, warm
-        return entry, _MISSING
-
-    def _warm_result(self, entry: _Bucket, warm: Any, batch: int) -> Any:
-        """A bucket's first call returns its last warm-up run, as a replay would return it.
-
-        _MISSING when the warm-up's outputs differ from what the graph captured
-        (the model is not the same from run to run: the call replays instead).
-        With ``copy_outputs=False`` the result is copied into the graph's static
-        outputs, so the returned views are the ones later calls overwrite. The
-        warm-up ran on the capture stream; ``record_stream`` keeps the allocator
-        from reusing its memory there while the caller's stream reads it.
-        """
-        layout = entry.layout
-        assert layout is not None
-        first, spec = pytree.tree_flatten(warm)
-        if spec != layout.spec:
-            return _MISSING
-        record_on_current_stream(first)
-        static = entry.outputs
-        if static is not None and not same_kinds(first, static):
-            return _MISSING
-        if static is None or self.copy_outputs:  # copied: the warm-up may alias the static input buffers
-            return layout.result(first, batch, batch_dim=self.batch_dim, copy=self.copy_outputs, cache=False)
-        for dst, src in zip(static, first):
-            if isinstance(dst, torch.Tensor):
-                dst.copy_(src)
-        return layout.result(static, batch, batch_dim=self.batch_dim, copy=False, cache=True)
+            self._last_eager = warm
+            return entry, _EAGER
+        del warm, captured
+        if entry.failed is not None:
+            stats.record_fallback(entry.reason, entry.failed)
+            return entry, self._ran_eagerly(args, kwargs)
+        return entry, self._replay(entry, leaves, batch, args, kwargs)
 
     def _order_after_previous_call(self) -> None:
         """Calls from different streams must not overlap on the static buffers and shared pool."""
@@ -337,20 +333,17 @@ class ShapeBucketPool:
         self._last_stream = stream
         self._last_raw_stream = raw
 
-    def _validated(self, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Validation mode: compare with eager (dtype-aware), count, return eager on a mismatch."""
-        if not config.switches.validate or self.stateful:
-            return out
-        return checked_against_eager(out, self._eager(args, kwargs), owner=self, what="ShapeBucketPool")
-
-    def _padded_eager(self, entry: _Bucket, leaves: list[Any], batch: int) -> Any:
-        """No GPU: the same padded pipeline as a replay, with the model run eagerly."""
+    def _padded_eager(self, entry: Bucket, leaves: list[Any], batch: int) -> Any:
+        """``simulate_padding`` without a GPU: the padded pipeline of a replay, the model run eagerly."""
         stats.record_fallback("no_gpu", probe().reason or "")
         assert self._inputs is not None
         with torch.no_grad():
             a, k = self._inputs.bucket_args(entry.size, leaves)
             outputs = self.model_fn(*a, **k)
         layout = self._output_layout(entry, outputs, leaves)
+        if batch < entry.size and not layout.known:
+            raise RuntimeError("simulate_padding: which outputs carry the batch could not be learnt; pass "
+                               "batched_outputs=")
         return layout.result(pytree.tree_leaves(outputs), batch, batch_dim=self.batch_dim,
                              copy=self.copy_outputs, cache=False)
 
@@ -360,14 +353,14 @@ class ShapeBucketPool:
 
     # --------------------------------------------------------------- capture
     def _capture(self, bucket: int, key: tuple[int, tuple[Hashable, ...]], leaves: list[Any], *,
-                 keep_warm: bool, freeze_gc: bool = True) -> tuple[_Bucket, Captured]:
+                 keep_warm: bool, freeze_gc: bool = True) -> tuple[Bucket, Captured]:
         """Capture ``bucket`` for ``key``; the entry is stored only once its outcome is known.
 
         A ``KeyboardInterrupt`` (any ``BaseException``) during warm-up or capture
         leaves no entry behind, so the next call tries again; the capture itself
         was already ended cleanly by the graph.
         """
-        entry = _Bucket(bucket, key[1])
+        entry = Bucket(bucket, key[1])
         if not self._graphs_available:
             self._entries[key] = entry
             return entry, Captured()  # runs the padded pipeline eagerly (see _padded_eager)
@@ -385,14 +378,16 @@ class ShapeBucketPool:
         self._entries[key] = entry
         return entry, captured
 
-    def _output_layout(self, entry: _Bucket, outputs: Any, leaves: list[Any]) -> OutputLayout:
+    def _output_layout(self, entry: Bucket, outputs: Any, leaves: list[Any]) -> OutputLayout:
         """Which outputs carry the batch, learnt once per constant-argument key."""
         inputs = self._inputs
         assert inputs is not None
-        probe = functools.partial(probe_other_size, self.model_fn, inputs, leaves, entry.size, self.buckets)
+        probe = None if self.stateful else functools.partial(  # a stateful model is never padded, nor re-run
+            probe_other_size, self.model_fn, inputs, leaves, entry.size, self.max_bucket)
         layout = learn_output_layout(outputs, entry.size, batch_dim=self.batch_dim, given=self.batched_outputs,
                                      known=self._out_flags.get(entry.key), probe=probe)
-        self._out_flags[entry.key] = layout.batched
+        if layout.batched is not None:
+            self._out_flags[entry.key] = layout.batched
         entry.layout = layout
         return layout
 
@@ -421,7 +416,7 @@ class ShapeBucketPool:
             seconds = time.perf_counter() - t0
             report = {
                 "buckets": len(todo),
-                "captured": sum(1 for b in todo if self._entries[(b, consts)].failed is None),
+                "captured": sum(1 for b in todo if self._entries[(b, consts)].graph is not None),
                 "seconds": seconds,
                 "pool_bytes": self.pool_bytes(),
                 "device_bytes_used": (free_before - torch.cuda.mem_get_info()[0]) if self._graphs_available else 0,
@@ -431,7 +426,7 @@ class ShapeBucketPool:
         return report
 
     def replay_buffers(self, batch_size: int) -> Any:
-        """Replay the bucket of ``batch_size`` on what the static input buffers hold now.
+        """Replay the bucket of ``batch_size`` on what the static input buffers hold now (no copies in).
 
         Needs exactly one captured graph for that bucket (one constant-argument
         key). Returns the outputs as a call would (sliced, copied unless
@@ -469,6 +464,11 @@ class ShapeBucketPool:
     def pool_bytes(self) -> int:
         """Bytes reserved by this pool's graphs, as the caching allocator reports them."""
         return self._capturer.pool_bytes()
+
+    @property
+    def row_coupled(self) -> Mapping[tuple[Hashable, ...], str]:
+        """Constant-argument keys whose padded calls run eagerly because padding changed a result."""
+        return self._padding.row_coupled
 
     @property
     def pool_handle(self) -> Any:

@@ -139,9 +139,8 @@ class StaticSession:
         except Exception as exc:
             self._to_eager("warmup_failed", f"{type(exc).__name__}: {exc}")
             return self
-        torch.cuda.synchronize()
         self._graph = SafeCUDAGraph()
-        capture = self._graph.capturing(pool=self._pool, stream=stream, freeze_gc=True)
+        capture = self._graph.capturing(pool=self._pool, stream=stream, freeze_gc=True)  # thread-local mode
         try:
             capture.__enter__()
         except Exception as exc:
@@ -208,6 +207,8 @@ class StaticSession:
         if self.model_fn is None:
             raise RuntimeError(f"graph capture failed ({self.fallback_reason}) and capture() got no model_fn "
                                "to run eagerly; pass model_fn= to capture()")
+        if input_tensor is not None and self.static_input is not None:  # the same check as a replay's
+            check_same_layout("input_tensor", self.static_input, input_tensor)
         if count:
             stats.record_fallback(self._reason, self._detail)
         x = input_tensor if input_tensor is not None else self.static_input

@@ -76,8 +76,10 @@ def gfxgraph_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     function dynamo calls with the flat inputs. Raises :class:`ConfigError` for
     unknown or bad options (dynamo reports it as ``BackendCompilerFailed``).
     """
-    merged = {**(options or {}), **option_kwargs}
-    opts = BackendOptions.from_mapping(merged, mode=mode)
+    if options is not None and not isinstance(options, Mapping):
+        raise TypeError(f"torch.compile(backend='gfxgraph', options=...): expected a dict of option names to "
+                        f"values, got {type(options).__name__}; known options: {', '.join(BackendOptions.known())}")
+    opts = BackendOptions.from_mapping({**(options or {}), **option_kwargs}, mode=mode)
     sub = CompiledSubgraph(gm, list(example_inputs), opts)
 
     def run(*args: Any) -> Any:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from .._torch_compat import mode_options
+from .._torch_compat import inductor_config_keys, mode_options
 from ..bucketing.buckets import validate_buckets
 from ..checks import check_bool, check_int
 from ..config import check_vram_cap
@@ -51,6 +52,9 @@ class BackendOptions:
         max_variants: graph sets per subgraph for distinct non-batch shapes or
             constant arguments (8); further ones run ungraphed.
         graphs: False compiles only (no graphs): for comparisons.
+        simulate_padding: without a GPU, run graphed subgraphs through the pool's padded
+            pipeline instead of on the call's own inputs (False): for checking what
+            padding does, on any machine.
     """
 
     buckets: tuple[int, ...] | None = None
@@ -65,6 +69,7 @@ class BackendOptions:
     static_compile_after: int = 2
     max_variants: int = 8
     graphs: bool = True
+    simulate_padding: bool = False
     mode_config: tuple[tuple[str, Any], ...] = field(default=(), repr=False)  # from torch.compile(mode=...)
 
     @classmethod
@@ -78,13 +83,18 @@ class BackendOptions:
         if options is None:
             options = {}
         if not isinstance(options, Mapping):
-            raise TypeError(f"gfxgraph backend options: expected a dict, got {type(options).__name__}")
+            raise TypeError(f"gfxgraph backend options: expected a dict of option names to values, got "
+                            f"{type(options).__name__}; known options: {', '.join(cls.known())}")
         known = cls.known()
         unknown = sorted(str(k) for k in options if k not in known)
         if unknown:
             raise ConfigError(f"gfxgraph backend: unknown option(s) {', '.join(map(repr, unknown))}; "
                               f"known options: {', '.join(known)}")
         o = dict(options)
+        if o.get("buckets") is not None and "max_batch_size" in o:
+            raise ConfigError(f"options['buckets'] and options['max_batch_size']: expected one of them "
+                              f"(max_batch_size only chooses the default buckets), got buckets={o['buckets']!r} "
+                              f"and max_batch_size={o['max_batch_size']!r}")
         kw: dict[str, Any] = {}
         if o.get("buckets") is not None:
             try:
@@ -97,7 +107,7 @@ class BackendOptions:
         for name in ("batch_dim", "warmup_iters"):
             if name in o:
                 kw[name] = _positive_int(name, o[name], minimum=0)
-        for name in ("copy_outputs", "graphs"):
+        for name in ("copy_outputs", "graphs", "simulate_padding"):
             if name in o:
                 kw[name] = _flag(name, o[name])
         if o.get("vram_cap") is not None:
@@ -131,6 +141,13 @@ def _inductor_patches(cfg: Any) -> tuple[tuple[str, Any], ...]:
         if "cudagraph" in k:
             raise ConfigError(f"options['inductor_config']: {k!r} is not allowed: gfxgraph captures the graphs "
                               "itself, so inductor's CUDA graphs stay off")
+    unknown = sorted(k for k in cfg if k not in inductor_config_keys())
+    if unknown:
+        near = {k: difflib.get_close_matches(k, inductor_config_keys(), n=2) for k in unknown}
+        hints = "; ".join(f"{k!r} (did you mean {', '.join(map(repr, m))}?)" if m else repr(k)
+                          for k, m in near.items())
+        raise ConfigError(f"options['inductor_config']: unknown inductor config key(s) {hints}; expected keys "
+                          "of torch._inductor.config (nested ones dotted, e.g. 'triton.max_tiles')")
     return tuple(sorted(cfg.items()))
 
 

@@ -30,13 +30,12 @@ from typing import Any
 
 import torch
 
-from .. import config, stats
+from .. import stats
 from .._torch_compat import aot_mutated_inputs, pointers_equal, pytree
 from ..bucketing.buckets import default_buckets
 from ..bucketing.pool import ShapeBucketPool
 from ..log import log_once, logger
 from ..platform import probe
-from ..validation import outputs_match
 from .compiler import compile_graph
 from .options import BackendOptions
 from .plan import GraphPlan, analyze, fx_mutated_inputs
@@ -56,7 +55,6 @@ class _Variant:
 
     pool: ShapeBucketPool
     owned: list[tuple[int, torch.Tensor]]  # (input index, static buffer) copied into per call
-    padding_checked: bool = False  # a padded result was compared with an unpadded run
 
 
 class CompiledSubgraph:
@@ -221,63 +219,16 @@ class CompiledSubgraph:
                                                "constant variants of one subgraph")
                         return self._fn(*args)
                     return _UNGRAPHED
-            if self._writes_state and not self._exact_bucket(v, args):
-                stats.record_fallback("padded_state_write", "a subgraph that writes to its parameters or "
-                                       "buffers runs without graphs at batch sizes that are not a bucket: "
-                                       "padding rows could write to that state (pass options={'buckets': "
-                                       "[...]} with the sizes you run)")
-                return self._fn(*args)
             for i, buf in v.owned:
                 buf.copy_(args[i])
+            # the pool pads, checks a bucket's first padded call against an unpadded run, validates, and
+            # never pads a subgraph that writes its state (stateful)
             out = v.pool(*[args[i] for i in self._batched_idx])
+            if v.pool.row_coupled:  # rows depend on each other: the pool answered eagerly; stop graphing
+                self._ungraph("padding_changes_results", next(iter(v.pool.row_coupled.values())), logging.WARNING)
             if self.plan.int_outputs:
                 out = self._fix_int_outputs(out, args)
-            if not v.padding_checked or config.switches.validate:
-                out = self._check_padding(v, out, args)
             return out
-
-    def _check_padding(self, v: _Variant, out: Any, args: tuple[Any, ...]) -> Any:
-        """Compare the first padded result with an unpadded run of the compiled function (and, in
-        validate mode, every result, returning the unpadded one).
-
-        Padding is only sound when rows are independent; a reduction over the
-        batch (``x - x.mean(0)``) cannot be read from the graph, but the first
-        padded call shows it. The comparison is by relative norm per output, so
-        rounding differences between GEMMs of two sizes do not count, while a
-        changed row does. Costs one extra run and a host sync, once per variant.
-        """
-        batch = args[self._first].shape[self.opts.batch_dim]
-        bucket = v.pool.bucket_for(batch)
-        padded = bucket is not None and bucket > batch
-        validate = config.switches.validate
-        if self._writes_state:  # a second run would advance the state twice
-            v.padding_checked = True
-            if validate:
-                log_once(("gfxgraph-backend-novalidate", id(self)), logging.INFO,
-                         "gfxgraph backend: a subgraph that writes to its parameters or buffers is not "
-                         "validated (comparing would run it twice)")
-            return out
-        if not padded and not validate:
-            return out
-        unpadded = self._fn(*args)
-        if validate:
-            ok, _ = outputs_match(out, unpadded)
-            stats.record_validation(ok)
-        if padded and not v.padding_checked:
-            v.padding_checked = True
-            why = _padding_changed(out, unpadded)
-            if why:
-                self._ungraph("padding_changes_results", f"batch {batch} padded to {bucket}: {why}; rows depend "
-                              "on each other (a reduction over the batch?) or the graph is random",
-                              logging.WARNING)
-                return unpadded
-        return unpadded if validate else out
-
-    def _exact_bucket(self, v: _Variant, args: tuple[Any, ...]) -> bool:
-        """No padding for this call (a batch above every bucket counts: the pool runs it unpadded)."""
-        batch = args[self._first].shape[self.opts.batch_dim]
-        bucket = v.pool.bucket_for(batch)
-        return bucket is None or bucket == batch
 
     def _follows_batch(self, args: tuple[Any, ...]) -> bool:
         """Whether every batch_like input equals the batch size in this call (so padding it is sound)."""
@@ -333,7 +284,8 @@ class CompiledSubgraph:
         pool = ShapeBucketPool(self._runner(template), self.buckets,
                                batched_outputs=_leaf_flags(self.plan.batched_outputs), stateful=self._writes_state,
                                batch_dim=o.batch_dim, pad_value=o.pad_value, copy_outputs=o.copy_outputs,
-                               oversize="eager", warmup_iters=o.warmup_iters, vram_cap=o.vram_cap, progress=False)
+                               oversize="eager", warmup_iters=o.warmup_iters, vram_cap=o.vram_cap, progress=False,
+                               simulate_padding=o.simulate_padding)
         v = self._variants[key] = _Variant(pool, owned)
         return v
 
@@ -342,9 +294,12 @@ class CompiledSubgraph:
 
         Runs only at warm-up, capture and eager fallback, never on replay.
         Sizes derived from the batch are read from the views, so inside a
-        graph they are the bucket size.
+        graph they are the bucket size. Symbolic ints among the outputs come
+        back as None (recomputed per call by :meth:`_fix_int_outputs`), so that a
+        replay and an unpadded run agree on them.
         """
         fn, batched_idx, derived = self._fn, self._batched_idx, self._derived
+        int_positions = frozenset(io.position for io in self.plan.int_outputs)
 
         def run(*batched: torch.Tensor) -> Any:
             full = list(template)
@@ -352,7 +307,10 @@ class CompiledSubgraph:
                 full[i] = t if t.is_contiguous() else t.contiguous()  # batch_dim > 0: views are strided
             for i, j, d in derived:
                 full[i] = full[j].shape[d]
-            return fn(*full)
+            out = fn(*full)
+            if int_positions:
+                out = type(out)(None if k in int_positions else o for k, o in enumerate(out))
+            return out
 
         return run
 
@@ -392,40 +350,6 @@ class CompiledSubgraph:
 
 
 _UNGRAPHED = object()  # _graphed's answer when the subgraph just turned UNGRAPHED
-
-# relative-norm tolerance of the padding check: well above rounding (GEMMs of two sizes sum in
-# different orders), well below what one changed row does to an output
-_PADDING_RTOL = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 4e-2}
-
-
-def _padding_changed(padded: Any, unpadded: Any) -> str:
-    """Why two output pytrees differ beyond rounding ("" when they agree)."""
-    a_leaves, a_spec = pytree.tree_flatten(padded)
-    b_leaves, b_spec = pytree.tree_flatten(unpadded)
-    if a_spec != b_spec:
-        return f"output structure {a_spec} vs {b_spec}"
-    for k, (a, b) in enumerate(zip(a_leaves, b_leaves)):
-        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-            if a != b:
-                return f"output {k}: {a!r} vs {b!r}"
-            continue
-        if a.shape != b.shape or a.dtype != b.dtype:
-            return f"output {k}: {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}"
-        if not (a.is_floating_point() or a.is_complex()):
-            if not torch.equal(a, b):
-                return f"output {k}: integer values differ"
-            continue
-        wide = torch.complex128 if a.is_complex() else torch.float64
-        fa, fb = a.detach().to(wide), b.detach().to(wide)
-        finite = torch.isfinite(fb)
-        if not torch.equal(torch.isfinite(fa), finite):
-            return f"output {k}: non-finite values in different places"
-        fa, fb = fa[finite], fb[finite]
-        rel = ((fa - fb).norm() / fb.norm().clamp_min(1e-30)).item()
-        if rel > _PADDING_RTOL.get(a.dtype, 1e-3):
-            return f"output {k}: relative difference {rel:.3g}"
-    return ""
-
 
 _CONST = -1  # key-part mode of a constant argument (else a tensor's batch dim, or None: its whole shape)
 

@@ -295,7 +295,7 @@ class GraphCompositor:
 
     @contextlib.contextmanager
     def stage(self, name: str, *, after: Iterable[str] = (), stream: Any = None,
-              capture_error_mode: str = "global") -> Iterator[StageCapture]:
+              capture_error_mode: str = "thread_local") -> Iterator[StageCapture]:
         """Capture the body as child ``name``, running after the children in ``after``.
 
         The body is captured into a ``BridgedCUDAGraph(keep_graph=True)`` on
@@ -432,7 +432,7 @@ class GraphCompositor:
 
     @contextlib.contextmanager
     def restage(self, name: str, *, stream: Any = None,
-                capture_error_mode: str = "global") -> Iterator[StageCapture]:
+                capture_error_mode: str = "thread_local") -> Iterator[StageCapture]:
         """Capture the body anew and hot-swap it in for child ``name`` (see :meth:`replace`).
 
         The capture gets a fresh memory pool: sharing the composition's pools

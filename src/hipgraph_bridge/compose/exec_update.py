@@ -182,7 +182,7 @@ class UpdatableGraph:
 
     @contextlib.contextmanager
     def recapture(self, *, pool: Any = None, stream: Any = None,
-                  capture_error_mode: str = "global") -> Iterator[Recapture]:
+                  capture_error_mode: str = "thread_local") -> Iterator[Recapture]:
         """Capture the body into a new ``keep_graph`` graph, then :meth:`update` from it.
 
         ``pool`` defaults to a fresh private pool (sharing one with the graph

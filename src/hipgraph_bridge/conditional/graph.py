@@ -53,7 +53,7 @@ import torch
 
 from .. import config, stats
 from .._torch_compat import pytree
-from ..checks import check_int
+from ..checks import check_bool, check_int
 from ..graph.bridged import SafeCUDAGraph
 from ..graph.capture import check_capture_mode, frozen_gc, warm_up
 from ..log import logger
@@ -128,16 +128,17 @@ class ConditionalGraph:
         pool: a memory-pool handle to share (default: a new one).
         runtime: the runtime binding for the supergraph strategy's node calls
             (None: current; ``"ctypes"`` runs the HIP code path on CUDA).
-        capture_error_mode: passed to ``capture_begin``.
+        capture_error_mode: passed to ``capture_begin``; ``"thread_local"`` (default) keeps
+            the captures from breaking CUDA work in other threads.
     """
 
     def __init__(self, *, strategy: Strategy = "auto", copy_outputs: bool = True, warmup_iters: int = 1,
-                 pool: Any = None, runtime: Any = None, capture_error_mode: str = "global") -> None:
+                 pool: Any = None, runtime: Any = None, capture_error_mode: str = "thread_local") -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy: expected one of {', '.join(STRATEGIES)}, got {strategy!r}")
         check_int("warmup_iters", warmup_iters)
         self.requested_strategy: str = strategy
-        self.copy_outputs = bool(copy_outputs)
+        self.copy_outputs = check_bool("copy_outputs", copy_outputs)
         self.warmup_iters = warmup_iters
         self.capture_error_mode = check_capture_mode(capture_error_mode)
         self._pool_arg = pool
@@ -255,7 +256,7 @@ class ConditionalGraph:
                 for b in self._branches:
                     self._capture_branch(b)
             self._state = ConditionalState.CAPTURED
-            self._check_uniform()
+            self._check_uniform_or_close()
             logger.debug("gfxgraph: ConditionalGraph %s: strategy %s (%s)", self.branches, self._strategy,
                          self._strategy_reason)
             for kind in kinds:
@@ -272,7 +273,7 @@ class ConditionalGraph:
                 except Exception as exc:  # it raises again, for the caller, when it is run
                     logger.warning("gfxgraph: branch %r raised on the example input: %s", b.name, exc)
         self._state = ConditionalState.CAPTURED
-        self._check_uniform()
+        self._check_uniform_or_close()
 
     def _run_branch(self, b: _Branch) -> Callable[[], Any]:
         x = self._static_input
@@ -287,7 +288,6 @@ class ConditionalGraph:
             if out is not None:
                 b.layout = output_layout(out)
             del out
-            torch.cuda.synchronize(site.device)
         except Exception as exc:
             b.reason, b.failed = "warmup_failed", f"branch {b.name!r}: {type(exc).__name__}: {exc}"
             logger.warning("gfxgraph: branch %r runs eagerly: warm-up raised %s", b.name, exc)
@@ -310,9 +310,18 @@ class ConditionalGraph:
         if self._pool_arg is None and self._site is not None:
             self._site.pool = torch.cuda.graph_pool_handle()
 
-    def _check_uniform(self) -> None:
+    def _check_uniform_or_close(self) -> None:
+        """Find the branches' common output layout; a forced device strategy needs one (else: closed, raises)."""
         layouts = [b.layout for b in self._branches]
         self._uniform = layouts[0] if all(lay is not None and lay == layouts[0] for lay in layouts) else None
+        if self._uniform is None and self.requested_strategy in ("native", "supergraph"):
+            self.close()
+            raise ValueError(f"strategy={self.requested_strategy!r}: {self._layouts_differ()}")
+
+    def _layouts_differ(self) -> str:
+        described = ", ".join(f"{b.name!r}: {describe_layout(b.layout)}" for b in self._branches)
+        return ("device-selected graphs write every branch into one set of outputs, so the branches must "
+                f"return the same structure, shapes and dtypes; got {described}")
 
     # ------------------------------------------------- device-selected graphs
     def _device_graph(self, kind: str) -> DeviceSelected | None:
@@ -347,10 +356,7 @@ class ConditionalGraph:
     def _bodies(self, kind: str) -> tuple[list[Callable[[], None]], Any]:
         """One body per branch writing into the shared outputs (plus the zero default for ``"index"``)."""
         if self._uniform is None:
-            described = ", ".join(f"{b.name!r}: {describe_layout(b.layout)}" for b in self._branches)
-            raise StrategyUnavailable(
-                "device-selected graphs write every branch into one set of outputs, so the branches must "
-                f"return the same structure, shapes and dtypes; got {described}")
+            raise StrategyUnavailable(self._layouts_differ())
         if self._shared_outputs is None:
             self._shared_outputs = zeros_like_layout(self._uniform)
         outputs, x = self._shared_outputs, self._static_input
@@ -451,9 +457,11 @@ class ConditionalGraph:
             if self._state is ConditionalState.CLOSED:
                 return
             site = self._site
-            if site is not None:
+            if site is not None:  # stream syncs: a device-wide one would break other threads' captures
                 try:
-                    torch.cuda.synchronize(site.device)
+                    site.stream.synchronize()
+                    site.body_stream.synchronize()
+                    torch.cuda.current_stream(site.device).synchronize()
                 except Exception as exc:  # a broken device must not make close() raise
                     logger.debug("gfxgraph: ConditionalGraph close: sync failed: %s", exc)
             for dg in self._device_graphs.values():

@@ -223,7 +223,8 @@ class DeviceWhileLoop:
                         self._apply_body()
                 torch.cuda.current_stream().wait_stream(s)
         finally:  # the warm-up ran the body on the real state: put the caller's values back
-            torch.cuda.synchronize(self._device)
+            for s in streams:  # stream syncs: a device-wide one would break other threads' captures
+                s.synchronize()
             with torch.no_grad():
                 for t, v in zip(self._state, saved):
                     t.copy_(v)
@@ -257,7 +258,7 @@ class DeviceWhileLoop:
 
         g = SafeCUDAGraph()
         outer.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad(), g.capturing(stream=outer):
+        with torch.no_grad(), g.capturing(stream=outer):  # thread-local: other threads' work carries on
             native.while_loop(step, self._apply_body)
         self._graph, self._pool = g, pool
 
@@ -351,7 +352,9 @@ class DeviceWhileLoop:
         with self._lock:
             if self._graph is not None:
                 try:
-                    torch.cuda.synchronize(self._device)
+                    torch.cuda.current_stream(self._device).synchronize()
+                    for s in self._streams or ():
+                        s.synchronize()
                     self._graph.reset()
                 except Exception as exc:
                     logger.debug("gfxgraph: releasing a loop graph failed: %s", exc)

@@ -135,7 +135,6 @@ class NativeSelect:
         with torch.no_grad():
             for fn in warm:  # cuBLAS and friends keep per-stream state: set it up outside the capture
                 warm_up(fn, site.body_stream, 1)
-        torch.cuda.synchronize(site.device)
         g = SafeCUDAGraph()
         with torch.no_grad(), g.capturing(pool=site.pool, stream=site.stream,
                                           capture_error_mode=site.capture_error_mode):
@@ -169,7 +168,7 @@ class SupergraphSelect:
                 runtime: Runtime) -> SupergraphSelect:
         rt = runtime
         rt.stream_capture_info(site.stream.cuda_stream)  # binds and initialises it outside the capture
-        torch.cuda.synchronize(site.device)
+        site.stream.synchronize()
         g = SafeCUDAGraph(keep_graph=True)
         groups: list[list[int]] = []
         with torch.no_grad(), g.capturing(pool=site.pool, stream=site.stream,

@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
-from .. import stats
+from .. import config, stats
 from ..checks import check_cuda_generators
-from .._torch_compat import OriginalCUDAGraph, base_replay, graph_context_raised
+from .._torch_compat import OriginalCUDAGraph, base_replay, graph_context_exception
 from ..platform import require_gpu, torch_build_version
-from .capture import CaptureState, GraphCapture, check_capture_mode
+from .capture import CaptureState, GraphCapture, add_hint
 
 __all__ = ["SafeCUDAGraph", "GraphState", "OriginalCUDAGraph"]
 
@@ -43,6 +43,8 @@ _BASE_IS_STUB = torch_build_version()[0] is None
 _SAMPLE_MASK = stats.REPLAY_SAMPLE_EVERY - 1
 # capture_begin's parameters after (pool, capture_error_mode) in the installed PyTorch
 _MORE_BEGIN_PARAMS = tuple(inspect.signature(OriginalCUDAGraph.capture_begin).parameters)[3:]
+# PyTorch's own message for a capture into a graph that holds one (the tests compare it with the installed torch's)
+_ALREADY_OWNS = "This CUDAGraph instance already owns a captured graph. To capture a new graph, create a new instance."
 
 
 class GraphState(enum.Enum):
@@ -99,33 +101,47 @@ class SafeCUDAGraph(OriginalCUDAGraph):  # type: ignore[misc,valid-type]
             require_gpu(f"BridgedCUDAGraph.{what}()")
 
     def _require_empty(self, what: str) -> None:
+        """Refuse a new capture on a graph that holds one; a graph still capturing loses that capture."""
         state = self.state
         if state is GraphState.CAPTURING:
-            raise RuntimeError(f"{what}() called on a graph that is already capturing; call capture_end() first")
-        if state is GraphState.READY or state is GraphState.SESSION:
-            raise RuntimeError(f"This graph already holds a captured graph (state {state.value}); call reset() "
-                               "or create a new graph to capture again")
+            assert self._capture is not None
+            self._capture.discard(f"{what}() called again during this graph's capture")
+            raise RuntimeError(f"{what}() called on a graph that is already capturing. gfxgraph ended and "
+                               "discarded that capture, so nothing stays in capture mode (the RNG generators "
+                               "included); call capture_end() before beginning another capture, or use a new graph")
+        if state is GraphState.READY:
+            raise RuntimeError(f"{_ALREADY_OWNS}\n[gfxgraph] call reset() first to capture into this object again")
+        if state is GraphState.SESSION:
+            raise RuntimeError("This graph holds a high-level capture(model_fn=...); call reset() or create a new "
+                               "graph to capture again")
 
     # ---------------------------------------------------------------- capture
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global", *args: Any,
                       **kwargs: Any) -> None:
-        """Begin capturing CUDA work on the current stream (PyTorch's arguments).
+        """Begin capturing CUDA work on the current stream (PyTorch's arguments and errors).
 
         Refuses (``GraphCaptureError``) a stream that is already capturing,
-        before the runtime call that would invalidate the outer capture.
-        Cost: one capture-status query more than PyTorch's.
+        before the runtime call that would invalidate the outer capture. In
+        debug or validate mode the capture records the tensors it reads, and a
+        replay after one of them was freed raises. Cost: one capture-status
+        query more than PyTorch's.
         """
         self._require_native("capture_begin")
-        check_capture_mode(capture_error_mode)
         self._require_empty("capture_begin")
         if len(args) > len(_MORE_BEGIN_PARAMS):
             raise TypeError(f"capture_begin() takes at most {2 + len(_MORE_BEGIN_PARAMS)} arguments "
                             f"({2 + len(args)} given)")
         kwargs.update(zip(_MORE_BEGIN_PARAMS, args))
-        self._start(GraphCapture(self, pool=pool, capture_error_mode=capture_error_mode,
-                                 generators=self._generators, **kwargs))
-        assert self._capture is not None
-        self._capture.begin()
+        asked = kwargs.pop("check_input_liveness", None)
+        track = bool(asked) if asked is not None else (config.switches.debug or config.switches.validate)
+        cap = GraphCapture(self, pool=pool, capture_error_mode=capture_error_mode, generators=self._generators,
+                           track_inputs=track, **kwargs)
+        self._start(cap)
+        try:
+            cap.begin()
+        except BaseException:
+            self._capture = None  # nothing was captured: the graph stays empty
+            raise
 
     def capture_end(self) -> None:
         """End the capture started by ``capture_begin``.
@@ -134,36 +150,37 @@ class SafeCUDAGraph(OriginalCUDAGraph):  # type: ignore[misc,valid-type]
         * The region raised (an exception is propagating through a
           ``with torch.cuda.graph(...)`` block): the partial graph is discarded,
           and this returns so the region's own exception reaches the caller.
-        * The runtime rejected the capture (``.item()``, a sync, an illegal call
-          in the region): the capture is discarded and ``GraphCaptureError`` is
-          raised with the runtime's message.
+        * PyTorch rejected the capture (a sync in the region, another stream):
+          the capture is discarded and PyTorch's exception is raised, its
+          message followed by a hint.
 
-        In every failure case the stream is out of capture mode and the device
-        synchronised before this returns or raises.
+        In every failure case the stream is out of capture mode before this
+        returns or raises.
         """
         self._require_native("capture_end")
-        raised = graph_context_raised()
+        raised = graph_context_exception()
         cap = self._capture
-        if raised and cap is not None and cap.state is CaptureState.DISCARDED:
+        if raised is not None and cap is not None and cap.state is CaptureState.DISCARDED:
             return  # already discarded; the region's exception is on its way
         if cap is None or cap.state is not CaptureState.CAPTURING:
             failure = self.failure_reason
             raise RuntimeError(f"capture_end() called on a graph in state {self.state.value!r}; "
                                "call capture_begin() first"
                                + (f" (the last capture failed: {failure})" if failure else ""))
-        if raised:
-            cap.discard("the captured region raised an exception")
+        if raised is not None:
+            cap.discard(f"the captured region raised {type(raised).__name__}: {raised}")
             return
         cap.end()
 
     def capturing(self, *, pool: Any = None, stream: torch.cuda.Stream | None = None,
-                  capture_error_mode: str = "global", freeze_gc: bool = False) -> GraphCapture:
+                  capture_error_mode: str = "thread_local", freeze_gc: bool = False) -> GraphCapture:
         """A context manager that captures its body into this graph (the library's own way to capture).
 
         Makes ``stream`` current (default: capture on the current stream),
         begins, and ends on exit; a body that raises is discarded (the failure
-        path runs) and its exception propagates. ``freeze_gc`` keeps the garbage
-        collector frozen for the body.
+        path runs) and its exception propagates. ``capture_error_mode`` defaults
+        to ``"thread_local"``, so other threads' CUDA work carries on during the
+        capture. ``freeze_gc`` keeps the garbage collector frozen for the body.
         """
         self._require_native("capturing")
         self._require_empty("capturing")
@@ -183,6 +200,7 @@ class SafeCUDAGraph(OriginalCUDAGraph):  # type: ignore[misc,valid-type]
         The first replay of a capture installs a per-instance closure that
         answers every later call: a counter tick over PyTorch's own ``replay``
         (one replay in ``REPLAY_SAMPLE_EVERY`` also reads the clock twice).
+        A graph that is not ready raises PyTorch's own error, with a hint.
         """
         if kwargs:
             raise TypeError(
@@ -194,12 +212,14 @@ class SafeCUDAGraph(OriginalCUDAGraph):  # type: ignore[misc,valid-type]
             self._install_fast_replay()
             return self.__dict__["replay"]()
         self._require_native("replay")
-        if state is GraphState.FAILED:
-            raise RuntimeError(f"replay(): this graph's capture failed and was discarded ({self.failure_reason}); "
-                               "capture it again")
-        if state is GraphState.CAPTURING:
-            raise RuntimeError("replay() called during capture; call capture_end() first")
-        raise RuntimeError("replay() called before any capture; capture the graph first")
+        hint = {GraphState.FAILED: f"this graph's capture failed and was discarded ({self.failure_reason}); "
+                                   "capture it again",
+                GraphState.CAPTURING: "replay() was called during the capture; call capture_end() first"}
+        try:
+            OriginalCUDAGraph.replay(self)  # PyTorch refuses a graph without a successful capture
+        except Exception as exc:
+            raise add_hint(exc, hint.get(state, "capture the graph first")) from None
+        raise RuntimeError(f"replay() on a graph in state {state.value!r} ran; this PyTorch did not refuse it")
 
     def _install_fast_replay(self) -> None:
         # On a slow host each attribute read is ~50 ns against a ~5 us launch, so the
@@ -211,6 +231,17 @@ class SafeCUDAGraph(OriginalCUDAGraph):  # type: ignore[misc,valid-type]
         # a cycle that keeps a dropped graph (and its pool) until a full collection
         graph = weakref.ref(self)
         cls = type(self)
+        liveness = self._capture.liveness if self._capture is not None else None
+        if liveness is not None:  # debug/validate mode on a torch without check_input_liveness
+            checked = base
+
+            def base(g: Any) -> None:
+                freed = liveness.freed()
+                if freed:
+                    raise RuntimeError(f"replay(): {len(freed)} tensor(s) the graph reads were freed after the "
+                                       f"capture ({'; '.join(freed[:3])}); their memory may hold other data now. "
+                                       "Keep captured inputs alive and copy new data into them")
+                checked(g)
 
         def replay(**kwargs: Any) -> Any:
             if kwargs:
@@ -269,9 +300,12 @@ class SafeCUDAGraph(OriginalCUDAGraph):  # type: ignore[misc,valid-type]
     def pool(self) -> Any:
         """This graph's memory-pool handle (pass it to another capture to share memory)."""
         self._require_native("pool")
-        if self.state is GraphState.FAILED:
-            raise RuntimeError(f"pool(): this graph's capture failed ({self.failure_reason}); it owns no pool")
-        return super().pool()
+        try:
+            return super().pool()
+        except Exception as exc:  # PyTorch's own refusal, with what gfxgraph knows after it
+            failed = self.state is GraphState.FAILED
+            raise add_hint(exc, f"this graph's capture failed ({self.failure_reason}); it owns no pool" if failed
+                           else "capture the graph first") from None
 
     def instantiate(self) -> None:
         """Instantiate the captured graph (``keep_graph=True``). Same as PyTorch's."""

@@ -37,19 +37,32 @@ from typing import Any
 import torch
 
 from .. import stats
-from .._torch_compat import OriginalCUDAGraph
+from .._torch_compat import OriginalCUDAGraph, has_check_input_liveness
 from ..errors import GraphCaptureError
 from ..log import logger
 from ..runtime import capture_owner, register_capture, unregister_capture
+from .liveness import InputLiveness
 from .recovery import end_stream_capture, rearm_generators, release_capture_pool, stream_is_capturing, \
     synchronize_quietly
 
-__all__ = ["GraphCapture", "CaptureState", "CAPTURE_MODES", "check_capture_mode", "capture_on_stream",
+__all__ = ["GraphCapture", "CaptureState", "CAPTURE_MODES", "check_capture_mode", "capture_on_stream", "add_hint",
            "side_stream", "frozen_gc", "warm_up", "record_on_current_stream"]
 
 CAPTURE_MODES = ("global", "thread_local", "relaxed")
 # What PyTorch's caching allocator says when a pool id cannot be captured into again.
 _DEAD_POOL_MESSAGES = ("already recording to mempool_id", "use_count > 0")
+
+
+def _begin_hint(exc: BaseException, pool: tuple[int, int] | None) -> str:
+    text = str(exc)
+    if "non-default stream" in text:
+        return "run the capture under `with torch.cuda.stream(torch.cuda.Stream()):`; gfxgraph took the RNG " \
+               "generators back out of capture mode"
+    if any(m in text for m in _DEAD_POOL_MESSAGES):
+        return (f"the memory pool {pool} cannot take another capture: a capture into it failed earlier, or "
+                "every graph in it was released, and PyTorch's allocator does not recover such a pool; pass a "
+                "fresh torch.cuda.graph_pool_handle()")
+    return "gfxgraph ended what had begun; the stream is usable again"
 
 
 class CaptureState(enum.Enum):
@@ -71,6 +84,19 @@ def capture_on_stream(stream: int) -> GraphCapture | None:
     return owner if isinstance(owner, GraphCapture) else None
 
 
+def add_hint(exc: BaseException, hint: str) -> BaseException:
+    """``exc`` with ``hint`` on a line after its own message: same object, type and traceback.
+
+    PyTorch's and the runtime's own messages pass through verbatim (code matches
+    on them); gfxgraph's advice follows them.
+    """
+    if exc.args and isinstance(exc.args[0], str):
+        exc.args = (f"{exc.args[0].rstrip()}\n[gfxgraph] {hint}", *exc.args[1:])
+    elif not exc.args:
+        exc.args = (f"[gfxgraph] {hint}",)
+    return exc
+
+
 class GraphCapture:
     """One stream capture into ``graph``, with its failure path; see the module docstring.
 
@@ -80,15 +106,20 @@ class GraphCapture:
             failed capture's pool reference can be given back).
         stream: the stream to capture on. The context manager makes it current;
             :meth:`begin` requires it to be current already (default: the current stream).
-        capture_error_mode: ``"global"``, ``"thread_local"`` or ``"relaxed"``.
+        capture_error_mode: ``"thread_local"`` (default: other threads' CUDA work is
+            not affected by this capture), ``"global"`` or ``"relaxed"``.
         generators: the generators registered with ``graph``, re-armed after a failure.
         freeze_gc: keep the garbage collector frozen inside the context manager.
+        track_inputs: record the tensors the capture reads without owning them, so a
+            replay can refuse to run after one was freed (:attr:`liveness`). PyTorch's
+            own ``check_input_liveness`` where the installed torch has it, else
+            :class:`~.liveness.InputLiveness`.
         capture_kwargs: further ``capture_begin`` arguments of the installed PyTorch.
     """
 
     def __init__(self, graph: Any, *, pool: Any = None, stream: torch.cuda.Stream | None = None,
-                 capture_error_mode: str = "global", generators: Sequence[torch.Generator] = (),
-                 freeze_gc: bool = False, **capture_kwargs: Any) -> None:
+                 capture_error_mode: str = "thread_local", generators: Sequence[torch.Generator] = (),
+                 freeze_gc: bool = False, track_inputs: bool = False, **capture_kwargs: Any) -> None:
         if not isinstance(graph, OriginalCUDAGraph):
             raise TypeError(f"graph: expected a torch.cuda.CUDAGraph, got {type(graph).__name__}")
         if pool is not None and not (isinstance(pool, tuple) and len(pool) == 2
@@ -96,15 +127,20 @@ class GraphCapture:
             raise TypeError("pool: expected a handle from torch.cuda.graph_pool_handle() or another graph's "
                             f"pool() (a pair of ints), got {pool!r}")
         self._graph = weakref.ref(graph)
-        self.mode = check_capture_mode(capture_error_mode)
+        self.mode = capture_error_mode  # an unknown mode is PyTorch's to refuse, with its own message
         self.stream = stream
         self.pool: tuple[int, int] | None = None if pool is None else (int(pool[0]), int(pool[1]))
         self.generators = tuple(generators)
         self.state = CaptureState.PENDING
         self.failure: str | None = None
         self.seconds = 0.0
+        self.liveness: InputLiveness | None = None
         self._freeze_gc = freeze_gc
         self._kwargs = capture_kwargs
+        if track_inputs and has_check_input_liveness:
+            self._kwargs.setdefault("check_input_liveness", True)
+        elif track_inputs:
+            self.liveness = InputLiveness()
         self._device = -1
         self._t0 = 0.0
         self._open = False  # the runtime capture is open (begun, not yet ended by PyTorch)
@@ -116,8 +152,11 @@ class GraphCapture:
         """Begin capturing on the current stream (which must be ``stream`` when one was given).
 
         Refuses a stream that is already capturing (``GraphCaptureError``)
-        before the runtime call that would invalidate the outer capture.
-        Cost: one capture-status query more than PyTorch's ``capture_begin``.
+        before the runtime call that would invalidate the outer capture. What
+        PyTorch itself refuses (the default stream, an unknown mode, a dead
+        pool) raises PyTorch's own exception, with a hint after its message,
+        once the failure path has run. Cost: one capture-status query more than
+        PyTorch's ``capture_begin``.
         """
         if self.state is not CaptureState.PENDING:
             raise RuntimeError(f"GraphCapture.begin() needs state 'pending', but it is {self.state.value!r}: "
@@ -127,11 +166,6 @@ class GraphCapture:
             raise RuntimeError("GraphCapture.begin(): the current stream is not the capture's stream; "
                                "use the capture as a context manager, or make its stream current first")
         self.stream = stream
-        if stream == torch.cuda.default_stream():
-            raise RuntimeError(
-                "capture_begin(): CUDA graphs must be captured on a non-default stream; "
-                "run the capture under `with torch.cuda.stream(torch.cuda.Stream()):` "
-                "(replaying on the default stream is fine)")
         if torch.cuda.is_current_stream_capturing():
             who = "another gfxgraph capture" if capture_on_stream(stream.cuda_stream) is not None \
                 else "a capture gfxgraph does not own"
@@ -151,22 +185,19 @@ class GraphCapture:
             OriginalCUDAGraph.capture_begin(self._target(), self.pool, self.mode, **self._kwargs)
         except BaseException as exc:
             self.discard(f"capture_begin failed: {exc}")
-            if any(m in str(exc) for m in _DEAD_POOL_MESSAGES):
-                raise GraphCaptureError(
-                    f"capture_begin(): the memory pool {self.pool} cannot take another capture: a capture "
-                    "into it failed earlier, or every graph in it was released, and PyTorch's allocator "
-                    "does not recover such a pool. Pass a fresh torch.cuda.graph_pool_handle() "
-                    f"(allocator said: {str(exc).splitlines()[0]})") from exc
-            raise
+            raise add_hint(exc, _begin_hint(exc, self.pool)) from None
+        if self.liveness is not None:
+            self.liveness.__enter__()
 
     def end(self) -> None:
         """End the capture: the graph holds it from now on.
 
         Raises:
             RuntimeError: not capturing.
-            GraphCaptureError: the runtime rejected the capture (a sync such as
-                ``.item()`` in the region, or ending on another stream); the
-                failure path ran first, so the stream is usable again.
+            Whatever PyTorch raises when it rejects the capture (a sync such as
+            ``.item()`` in the region invalidated it; ``capture_end`` on another
+            stream), unchanged but for a hint after the message: the failure path
+            ran first, so the stream is usable again.
         """
         if self.state is not CaptureState.CAPTURING:
             raise RuntimeError(f"capture_end() called on a capture in state {self.state.value!r}; "
@@ -174,25 +205,31 @@ class GraphCapture:
                                + (f" (the last capture failed: {self.failure})" if self.failure else ""))
         stream = self.stream
         assert stream is not None  # set by begin()
-        current = torch.cuda.current_stream()
-        if current != stream:
-            self.discard("capture_end() ran on a different stream than capture_begin()")
-            raise GraphCaptureError(
-                f"capture_end() must run on the stream capture began on ({stream.cuda_stream:#x}), "
-                f"but the current stream is {current.cuda_stream:#x}; the capture was ended and discarded")
+        on_stream = torch.cuda.current_stream() == stream
+        self._stop_liveness()
         try:
             OriginalCUDAGraph.capture_end(self._target())
         except BaseException as exc:
             self.discard(f"{type(exc).__name__}: {exc}")
-            raise GraphCaptureError(
-                f"graph capture failed and was discarded: {exc}. A common cause is a call "
-                "that synchronises with the host inside the captured region (.item(), .cpu(), "
-                "print(tensor), torch.cuda.synchronize()); the stream is usable again") from exc
+            if not on_stream:
+                raise add_hint(exc, f"capture_end() must run on the stream the capture began on "
+                                    f"({stream.cuda_stream:#x}); gfxgraph ended and discarded the capture, "
+                                    "so the stream is usable again") from None
+            raise add_hint(exc, "gfxgraph ended and discarded the capture; the stream is usable again. A common "
+                                "cause is a call that synchronises with the host inside the captured region "
+                                "(.item(), .cpu(), print(tensor), torch.cuda.synchronize())") from None
         self._open = False
         unregister_capture(stream.cuda_stream, self)
         self.state = CaptureState.ENDED
         self.seconds = time.perf_counter() - self._t0
         stats.record_capture(self.seconds)
+
+    def _stop_liveness(self) -> None:
+        if self.liveness is not None and self._open:
+            try:
+                self.liveness.__exit__(None, None, None)
+            except Exception as exc:  # the mode stack was disturbed by the region: keep ending the capture
+                logger.debug("gfxgraph: leaving the input-liveness mode raised: %s", exc)
 
     # ------------------------------------------------------------------ failure path
     def mark_partial_graph_unsafe(self) -> None:
@@ -212,12 +249,14 @@ class GraphCapture:
         target = graph if graph is not None else self._graph()
         stream = self.stream
         was_open = self._open
+        self._stop_liveness()
         try:
             if was_open and stream is not None:
                 self._close_runtime_capture(stream, target)
             if was_open and self.pool is not None:
                 release_capture_pool(self._device, self.pool)
-            synchronize_quietly(self)
+            if stream is not None:
+                synchronize_quietly(self, stream)
             if target is not None:
                 try:
                     OriginalCUDAGraph.reset(target)
@@ -315,8 +354,10 @@ def side_stream(stream: torch.cuda.Stream | None = None) -> torch.cuda.Stream:
 def warm_up(fn: Callable[[], Any], stream: torch.cuda.Stream, iters: int) -> Any:
     """Run ``fn()`` ``iters`` times on ``stream`` after the current stream's work; return the last result.
 
-    The caller's stream waits for the runs. Warming up on the capture stream
-    sets up what libraries keep per stream (cuBLAS workspaces) outside the capture.
+    The caller's stream waits for the runs, and the host for ``stream`` (a
+    stream sync, never a device-wide one: that would break captures running
+    in other threads). Warming up on the capture stream sets up what libraries
+    keep per stream (cuBLAS workspaces) outside the capture.
     """
     out = None
     if iters <= 0:
@@ -327,6 +368,7 @@ def warm_up(fn: Callable[[], Any], stream: torch.cuda.Stream, iters: int) -> Any
             out = None  # free the previous run's outputs before the next
             out = fn()
     torch.cuda.current_stream().wait_stream(stream)
+    stream.synchronize()
     return out
 
 

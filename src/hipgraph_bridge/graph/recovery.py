@@ -54,15 +54,19 @@ def release_capture_pool(device: int, pool: tuple[int, int]) -> None:
         logger.debug("gfxgraph: pool %s not released after a failed capture: %s", pool, why)
 
 
-def synchronize_quietly(owner: object) -> None:
-    """Synchronise the device unless another capture is live (a sync would invalidate it)."""
+def synchronize_quietly(owner: object, stream: torch.cuda.Stream) -> None:
+    """Wait for ``stream`` (now out of capture mode) unless another capture is live.
+
+    A stream sync, not a device-wide one: a device sync waits on every stream,
+    capturing ones of other threads included, which the runtime refuses.
+    """
     if captures_live(excluding=owner):
-        logger.debug("gfxgraph: skipped device sync after failed capture: another capture is live")
+        logger.debug("gfxgraph: skipped the stream sync after a failed capture: another capture is live")
         return
     try:
-        torch.cuda.synchronize()
+        stream.synchronize()
     except Exception as exc:
-        logger.log(logging.WARNING, "gfxgraph: device sync after failed capture raised: %s", exc)
+        logger.log(logging.WARNING, "gfxgraph: stream sync after failed capture raised: %s", exc)
 
 
 def rearm_generators(owner: object, generators: Iterable[torch.Generator]) -> None:
@@ -87,7 +91,7 @@ def rearm_generators(owner: object, generators: Iterable[torch.Generator]) -> No
         for gen in generators:
             g.register_generator_state(gen)
         with torch.cuda.stream(stream):
-            g.capture_begin()
+            g.capture_begin(capture_error_mode="thread_local")  # never disturbs other threads' work
             scratch.add_(1)
             g.capture_end()
         torch.cuda.current_stream().wait_stream(stream)

@@ -120,6 +120,9 @@ def resolve_runtime(runtime: object) -> Runtime:
     if isinstance(runtime, Runtime):
         return runtime
     if isinstance(runtime, str):
+        if runtime not in RUNTIME_KINDS:
+            raise ValueError(f"runtime: expected None, a Runtime or one of {', '.join(RUNTIME_KINDS)}, "
+                             f"got {runtime!r}")
         return get_runtime(runtime)
     raise TypeError("runtime: expected None, a Runtime or one of "
                     f"{', '.join(RUNTIME_KINDS)}, got {type(runtime).__name__}")

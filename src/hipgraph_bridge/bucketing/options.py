@@ -1,0 +1,31 @@
+"""The constructor checks of :class:`~.pool.ShapeBucketPool`: each names the option and what was expected."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from ..checks import check_bool, check_cuda_generators, check_int
+
+__all__ = ["check_pool_options"]
+
+
+def check_pool_options(model_fn: Any, batch_dim: Any, oversize: Any, warmup_iters: Any, pad_value: Any,
+                   static_args: Any, copy_outputs: Any, progress: Any, generators: Sequence[Any]) -> None:
+    if not callable(model_fn):
+        raise TypeError(f"model_fn: expected a callable, got {type(model_fn).__name__}")
+    check_int("batch_dim", batch_dim)
+    if oversize not in ("eager", "error"):
+        raise ValueError(f"oversize: expected 'eager' or 'error', got {oversize!r}")
+    check_int("warmup_iters", warmup_iters)
+    if pad_value is not None and not isinstance(pad_value, (int, float, bool)):
+        raise TypeError(f"pad_value: expected a number or None, got {type(pad_value).__name__}")
+    if isinstance(static_args, (str, bytes)) or not isinstance(static_args, Iterable):
+        raise TypeError(f"static_args: expected a collection of argument positions (int) or names (str), "
+                        f"got {static_args!r}")
+    for s in static_args:
+        if isinstance(s, bool) or not isinstance(s, (int, str)):
+            raise TypeError(f"static_args: expected argument positions (int) or names (str), got {s!r}")
+    check_bool("copy_outputs", copy_outputs)
+    check_bool("progress", progress)
+    check_cuda_generators("generators", generators)

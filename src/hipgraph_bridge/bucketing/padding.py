@@ -1,0 +1,76 @@
+"""When a padded replay may answer a call, and how its first answer is checked.
+
+Padding rows are harmless only while rows do not interact. The rules, per
+key of constant arguments:
+
+* A ``stateful`` model (one that writes state it keeps, like a static KV
+  cache) is never padded: padding rows could write to that state, and such a
+  model cannot be run twice to check. A batch that is not a bucket runs
+  eagerly (reason ``padded_state_write``); make the batch sizes you run buckets.
+* A padded call whose outputs cannot be sliced back (which outputs carry the
+  batch could not be learnt) runs eagerly (reason ``unknown_outputs``).
+* The first padded call of every bucket is compared with an eager run on the
+  caller's own arguments. If they differ beyond rounding, that key's padded
+  calls run eagerly from then on (reason ``padding_changes_results``) and this
+  call returns the eager result: rows interact (a batch mean, batch norm in
+  training mode), or the model is random.
+
+The check costs one eager run and a host sync, once per bucket.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from .. import stats
+from ..log import log_once
+from ..validation import padding_changed
+
+__all__ = ["PaddingGuard"]
+
+
+class PaddingGuard:
+    """The padding rules of one pool (see the module docstring)."""
+
+    def __init__(self, *, stateful: bool) -> None:
+        self.stateful = stateful
+        self.row_coupled: dict[tuple[Hashable, ...], str] = {}  # constants key -> what the check saw
+        self._checked: set[tuple[int, tuple[Hashable, ...]]] = set()
+
+    def refusal(self, consts: tuple[Hashable, ...], *, outputs_known: bool) -> tuple[str, str] | None:
+        """Why a padded call with these constants must run eagerly (None: it may be padded)."""
+        if self.stateful:
+            return ("padded_state_write", "a stateful model is never padded (padding rows could write to its "
+                    "state); pass the batch sizes you run as buckets")
+        why = self.row_coupled.get(consts)
+        if why is not None:
+            return "padding_changes_results", why
+        if not outputs_known:
+            return ("unknown_outputs", "which outputs carry the batch is unknown, so a padded result cannot "
+                    "be sliced back; pass batched_outputs=")
+        return None
+
+    def needs_check(self, key: tuple[int, tuple[Hashable, ...]]) -> bool:
+        return not self.stateful and key not in self._checked
+
+    def check(self, key: tuple[int, tuple[Hashable, ...]], batch: int, padded_out: Any,
+              eager: Callable[[], Any]) -> tuple[Any, Any]:
+        """Compare a bucket's first padded result with ``eager()``; returns (result, the eager result).
+
+        The result is ``padded_out`` when they agree, else the eager one (and
+        this key's padded calls run eagerly from now on).
+        """
+        self._checked.add(key)
+        reference = eager()
+        why = padding_changed(padded_out, reference)
+        if not why:
+            return padded_out, reference
+        bucket, consts = key
+        detail = (f"batch {batch} padded to {bucket}: {why}; rows depend on each other (a reduction over the "
+                  "batch?) or the model is random, so padded calls run eagerly from now on")
+        self.row_coupled[consts] = detail
+        log_once(("padding_changes_results", id(self)), logging.WARNING, "gfxgraph: ShapeBucketPool: %s", detail)
+        stats.record_fallback("padding_changes_results", detail)
+        return reference, reference
