@@ -182,8 +182,8 @@ def run_case(model: Any, name: str, b: int, prompt_len: int, steps: int, compile
             if label == "hand_captured":
                 runner = HandCaptured(step, b, prompt_len)
             elif label.startswith("gfxgraph_pool"):
-                pool = ShapeBucketPool(step, [b], static_args=[2], copy_outputs=(label == "gfxgraph_pool_copy"),
-                                       progress=False)
+                pool = ShapeBucketPool(step, [b], static_args=[2], stateful=True, progress=False,
+                                       copy_outputs=(label == "gfxgraph_pool_copy"))
                 pool.capture_all(first_.view(b, 1), torch.full((b, 1), prompt_len, device="cuda", dtype=torch.long),
                                  torch.full((1,), prompt_len, device="cuda", dtype=torch.long))
                 runner = pool

@@ -39,7 +39,7 @@ def generate(model: LlamaForCausalLM, prompt: torch.Tensor, graphed: bool) -> tu
                        past_key_values=cache, use_cache=True).logits
         return logits[:, -1].argmax(-1)
 
-    run = ShapeBucketPool(step, [BATCH], static_args=[2], progress=False) if graphed else step
+    run = ShapeBucketPool(step, [BATCH], static_args=[2], stateful=True, progress=False) if graphed else step
     tokens = [tok]
     torch.cuda.synchronize()
     t0 = time.perf_counter()

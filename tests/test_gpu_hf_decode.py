@@ -60,7 +60,7 @@ def _decode(model, wrap):
 
 def test_pool_decode_matches_eager(model):
     eager = _decode(model, lambda step: step)
-    graphed = _decode(model, lambda step: ShapeBucketPool(step, [B], static_args=[2], progress=False))
+    graphed = _decode(model, lambda step: ShapeBucketPool(step, [B], static_args=[2], stateful=True, progress=False))
     torch.testing.assert_close(graphed, eager, atol=0, rtol=0)
 
 

@@ -51,10 +51,14 @@ def test_multi_input_multi_output_kwargs():
     for n in (1, 3, 8, 13, 16):
         x, pos = torch.randn(n, 16, device="cuda"), torch.arange(n, device="cuda")
         (got, got_mean) = pool(x, pos, bias=bias, scale=0.5)
-        (want, _) = model(x, pos, bias=bias, scale=0.5)
+        (want, want_mean) = model(x, pos, bias=bias, scale=0.5)
         torch.testing.assert_close(got["h"], want["h"])
         assert torch.equal(got["pos2"], want["pos2"])
-        assert got_mean.dim() == 0  # a non-batched output is returned whole (it saw padding rows)
+        # h.mean() reduces over the batch: a padded replay would see the padding rows. The first padded
+        # call found that, so padded calls run eagerly; full buckets (8, 16) replay their graphs.
+        torch.testing.assert_close(got_mean, want_mean)
+    assert pool.row_coupled and 8 in pool.captured_buckets and 16 in pool.captured_buckets
+    assert gfxgraph.stats()["fallback_reasons"]["padding_changes_results"] >= 2
 
 
 def test_failing_bucket_runs_eagerly_and_the_rest_keep_working():
@@ -227,3 +231,68 @@ def test_a_capture_that_fails_after_warm_up_returns_the_warm_up_run():
     assert int(m.steps) == 1 and pool.failed_buckets
     torch.testing.assert_close(pool(x), x * 2)  # later calls run eagerly, once each
     assert int(m.steps) == 2
+
+
+def test_a_row_coupled_model_never_returns_a_padded_result():
+    def model(x):
+        return x - x.mean(0), torch.nn.functional.batch_norm(x, None, None, training=True)
+
+    pool = ShapeBucketPool(model, [8])
+    for n in (5, 8, 3, 8, 7):
+        x = torch.randn(n, 6, device="cuda")
+        for got, want in zip(pool(x), model(x)):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert pool.captured_buckets == [8] and pool.row_coupled
+    reasons = gfxgraph.stats()["fallback_reasons"]
+    assert reasons["padding_changes_results"] == 3  # sizes 5, 3 and 7; size 8 replays the graph
+
+
+def test_one_bucket_does_not_take_a_fixed_size_output_for_a_batch():
+    table = torch.arange(4.0, device="cuda")
+
+    def model(x):
+        return x * 2, table * x.sum()
+
+    pool = ShapeBucketPool(model, [4])
+    x = torch.ones(3, 5, device="cuda")
+    y, t = pool(x)
+    assert y.shape == (3, 5) and t.shape == (4,)
+    torch.testing.assert_close(t, table * 15)
+
+
+def test_inputs_that_require_grad_run_eagerly_and_backward_works():
+    lin = torch.nn.Linear(4, 3).cuda()
+    pool = ShapeBucketPool(lin, [4, 8])
+    x = torch.randn(5, 4, device="cuda", requires_grad=True)
+    pool(x).sum().backward()
+    assert x.grad is not None and lin.weight.grad is not None
+    assert gfxgraph.stats()["fallback_reasons"]["grad"] == 1 and pool.captured_buckets == []
+    with torch.no_grad():
+        torch.testing.assert_close(pool(x), lin(x))
+    assert pool.captured_buckets == [8]
+
+
+def test_a_bad_first_call_raises_the_models_own_error_and_poisons_nothing():
+    lin = torch.nn.Linear(4, 2).cuda()
+    pool = ShapeBucketPool(lin, [8])
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="3x5"):  # the caller's shape, not the padded 8x5
+            pool(torch.ones(3, 5, device="cuda"))
+        x = torch.randn(3, 4, device="cuda")
+        torch.testing.assert_close(pool(x), lin(x))
+    assert pool.captured_buckets == [8] and not pool.failed_buckets
+
+
+def test_a_stateful_model_runs_once_per_call_and_is_never_padded():
+    counter = torch.zeros((), device="cuda")
+
+    def step(x):
+        counter.add_(1)  # state the model keeps
+        return x * 2
+
+    gfxgraph.enable(validate=True)  # validation would run it twice: a stateful model is exempt
+    pool = ShapeBucketPool(step, [4], stateful=True)
+    for n in (4, 4, 3, 4):
+        torch.testing.assert_close(pool(torch.ones(n, 2, device="cuda")), torch.full((n, 2), 2.0, device="cuda"))
+    assert int(counter) == 4
+    assert gfxgraph.stats()["fallback_reasons"]["padded_state_write"] == 1

@@ -548,7 +548,7 @@ def _g_mode(ctx: Ctx) -> None:
     g = BridgedCUDAGraph()
     s = _side()
     with torch.cuda.stream(s):
-        _record(ctx, expect_raises(ValueError, r"capture_error_mode: expected one of global, thread_local, relaxed",
+        _record(ctx, expect_raises(RuntimeError, r"Unknown capture error mode",  # PyTorch's own message
                                    g.capture_begin, capture_error_mode="strict"))
     assert not capturing(s) and g.state.value == "empty"
 
@@ -562,7 +562,7 @@ def _g_tg_mode(ctx: Ctx) -> None:
         with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=s, capture_error_mode="strict"):
             pass
 
-    _record(ctx, expect_raises(ValueError, r"capture_error_mode: expected one of", go))
+    _record(ctx, expect_raises(RuntimeError, r"Unknown capture error mode", go))
     ctx.observed["current_stream_left_set"] = torch.cuda.current_stream() != torch.cuda.default_stream()
     torch.cuda.set_stream(torch.cuda.default_stream())
     assert not capturing(s)
@@ -616,14 +616,14 @@ def _g_pool_cpu(ctx: Ctx) -> None:
      "on a captured graph, replay(input_tensor=) on a low-level graph", group=GPU)
 def _g_states(ctx: Ctx) -> None:
     g = BridgedCUDAGraph()
-    _record(ctx, expect_raises(RuntimeError, r"before any capture", g.replay))
+    _record(ctx, expect_raises(RuntimeError, r"without a preceding successful capture", g.replay))
     _record(ctx, expect_raises(RuntimeError, r"call capture_begin\(\) first", g.capture_end))
     s = _side()
     x = torch.ones(4, device="cuda")
     with torch.cuda.graph(g, stream=s):
         x.add_(1)
     with torch.cuda.stream(s):
-        _record(ctx, expect_raises(RuntimeError, r"already holds a captured graph", g.capture_begin))
+        _record(ctx, expect_raises(RuntimeError, r"already owns a captured graph", g.capture_begin))
     _record(ctx, expect_raises(TypeError, r"high-level capture", g.replay, input_tensor=x))
 
 
@@ -708,3 +708,116 @@ def _b_cli(ctx: Ctx) -> None:
     r = _python("", env, "-m", "gfxgraph", "doctor", "--bogus")
     ctx.observed["unknown_option"] = {"rc": r.returncode, "stderr": r.stderr[-300:]}
     assert r.returncode == 2 and "unrecognized arguments: --bogus" in r.stderr, r.stderr[-1000:]
+
+
+# ------------------------------------------------- options and arguments that were accepted silently
+def _plain_pool(**kw: Any) -> ShapeBucketPool:
+    return ShapeBucketPool(lambda x, *a, **k: x * 2, progress=False, **kw)
+
+
+@bad("b_pool_static_args_unknown", "ShapeBucketPool.__call__", "static_args naming an argument the call lacks")
+def _b_static_unknown(ctx: Ctx) -> None:
+    x = torch.ones(2, 3, device=_dev(ctx))
+    _record(ctx, expect_raises(ValueError, r"static_args: \[2\] name no argument", _plain_pool(static_args=[2]), x))
+    _record(ctx, expect_raises(ValueError, r"static_args: \['mask'\] name no argument",
+                               _plain_pool(static_args=["mask"]), x))
+
+
+@bad("b_pool_buckets_and_max_batch_size", "ShapeBucketPool()", "buckets together with max_batch_size")
+def _b_buckets_and_max(ctx: Ctx) -> None:
+    _record(ctx, expect_raises(ValueError, r"expected one of them", _plain_pool, buckets=[4], max_batch_size=8))
+
+
+@bad("b_pool_batch_dim_beyond_rank", "ShapeBucketPool.__call__", "batch_dim beyond an input's rank")
+def _b_batch_dim(ctx: Ctx) -> None:
+    pool = _plain_pool(buckets=[4], batch_dim=1)
+    x = torch.ones(2, 3, device=_dev(ctx))
+    _record(ctx, expect_raises(ValueError, r"args\[1\]: expected a tensor with a batch dimension at dim 1, got "
+                                           r"shape \(3,\); name it in static_args", pool, x, torch.ones(3, device=_dev(ctx))))
+
+
+@bad("b_pool_batched_outputs_malformed", "ShapeBucketPool()", "batched_outputs='yes' / [1, 0]")
+def _b_batched_outputs(ctx: Ctx) -> None:
+    for v in ("yes", [1, 0]):
+        _record(ctx, expect_raises(TypeError, r"batched_outputs: expected a sequence of bools", _plain_pool,
+                                   batched_outputs=v))
+
+
+@bad("b_pool_wrong_feature_size_names_the_callers_shape", "ShapeBucketPool.__call__",
+     "a model error on the first call names the caller's shape, not the padded one")
+def _b_feature_size(ctx: Ctx) -> None:
+    lin = torch.nn.Linear(4, 2).to(_dev(ctx))
+    pool = ShapeBucketPool(lin, [8], progress=False)
+    with torch.no_grad():
+        _record(ctx, expect_raises(RuntimeError, r"3x5", pool, torch.ones(3, 5, device=_dev(ctx))))
+        torch.testing.assert_close(pool(torch.ones(3, 4, device=_dev(ctx))), lin(torch.ones(3, 4, device=_dev(ctx))))
+    ctx.observed["bucket_usable_after_a_bad_call"] = not pool.failed_buckets
+
+
+@bad("b_conditional_copy_outputs_not_bool", "ConditionalGraph()", "copy_outputs='x'")
+def _b_cg_copy(ctx: Ctx) -> None:
+    from gfxgraph import ConditionalGraph
+
+    _record(ctx, expect_raises(TypeError, r"copy_outputs: expected a bool, got 'x'", ConditionalGraph,
+                               copy_outputs="x"))
+
+
+@bad("b_conditional_forced_native_different_outputs", "ConditionalGraph.capture()",
+     "strategy='native' with branches of different output shapes")
+def _b_cg_native_shapes(ctx: Ctx) -> None:
+    from gfxgraph import ConditionalGraph
+
+    for strategy in ("native", "supergraph"):
+        cg = ConditionalGraph(strategy=strategy)
+        cg.add_branch("a", lambda x: x * 2)
+        cg.add_branch("b", lambda x: x.sum(0))
+        x = torch.ones(4, 3, device=_dev(ctx))
+        _record(ctx, expect_raises((ValueError, RuntimeError), r"same structure, shapes and dtypes|native' needs",
+                                   cg.capture, x))
+
+
+@bad("b_loop_state_not_tensors", "DeviceWhileLoop()", "state=(3, 4)")
+def _b_loop_state(ctx: Ctx) -> None:
+    from gfxgraph import DeviceWhileLoop, LoopCondition
+
+    _record(ctx, expect_raises(TypeError, r"state: expected a tensor or a non-empty tuple/list of tensors, got "
+                                          r"tuple of \(int, int\)", DeviceWhileLoop, LoopCondition(0, "<", 3),
+                               lambda *s: None, (3, 4)))
+
+
+@bad("b_compile_options_not_a_mapping", "torch.compile(backend='gfxgraph')", "options=[...]")
+def _b_compile_options_list(ctx: Ctx) -> None:
+    from hipgraph_bridge import gfxgraph_backend
+
+    gm = torch.fx.symbolic_trace(torch.nn.Identity())
+    _record(ctx, expect_raises(TypeError, r"expected a dict of option names to values, got list",
+                               gfxgraph_backend, gm, [torch.ones(2)], options=["buckets"]))
+
+
+@bad("b_compile_buckets_and_max_batch_size", "torch.compile(backend='gfxgraph')", "buckets with max_batch_size")
+def _b_compile_both(ctx: Ctx) -> None:
+    from hipgraph_bridge import BackendOptions
+
+    _record(ctx, expect_raises(ConfigError, r"expected one of them", BackendOptions.from_mapping,
+                               {"buckets": [4], "max_batch_size": 8}))
+
+
+@bad("b_compile_unknown_inductor_key", "torch.compile(backend='gfxgraph')", "inductor_config={'max_autotun': True}")
+def _b_compile_inductor_key(ctx: Ctx) -> None:
+    from hipgraph_bridge import BackendOptions
+
+    _record(ctx, expect_raises(ConfigError, r"unknown inductor config key\(s\) 'max_autotun' \(did you mean "
+                                            r"'max_autotune'", BackendOptions.from_mapping,
+                               {"inductor_config": {"max_autotun": True}}))
+
+
+@bad("b_static_replay_wrong_shape", "BridgedCUDAGraph.replay(input_tensor=)",
+     "a wrong shape or dtype is refused the same way with or without a GPU")
+def _b_static_replay_layout(ctx: Ctx) -> None:
+    g = BridgedCUDAGraph()
+    with g.capture(model_fn=lambda t: t * 2, example_input=torch.ones(4, 3, device=_dev(ctx))):
+        pass
+    _record(ctx, expect_raises(ValueError, r"input_tensor: expected Tensor\(shape=\(4, 3\)", g.replay,
+                               input_tensor=torch.ones(5, 3, device=_dev(ctx))))
+    _record(ctx, expect_raises(ValueError, r"dtype=torch.float32", g.replay,
+                               input_tensor=torch.ones(4, 3, dtype=torch.float64, device=_dev(ctx))))

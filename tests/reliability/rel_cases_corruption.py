@@ -113,10 +113,7 @@ def _stale(ctx: Ctx) -> None:
 
 
 @corruption("corr_freed_buffer_low_level", "a tensor the graph reads is freed and its memory reused; "
-            "replay in validation mode", api="low-level / torch.cuda.graph",
-            known_issue="validation mode covers only the high-level API; BridgedCUDAGraph does not turn on "
-                        "PyTorch's check_input_liveness (or an equivalent) in validate/debug mode, so a replay "
-                        "after the captured input was freed silently reads whatever now lives there")
+            "replay in validation mode", api="low-level / torch.cuda.graph")
 def _freed_low_level(ctx: Ctx) -> None:
     gfxgraph.enable(validate=True)
     s = _side_stream()
@@ -205,10 +202,7 @@ def _pool_freed(ctx: Ctx) -> None:
 
 
 @corruption("corr_pool_cross_batch_reduction", "ShapeBucketPool: a non-batched output reduced over the batch "
-            "sees the padding rows; validation mode must catch it", api="ShapeBucketPool",
-            known_issue="ShapeBucketPool returns a non-batched output whole although it was computed over the "
-                        "padding rows (documented), and validation mode does not cover the pool, so nothing "
-                        "catches the difference from eager")
+            "sees the padding rows; the pool must catch it, with and without validation mode", api="ShapeBucketPool")
 def _pool_mean(ctx: Ctx) -> None:
     def model(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return t * 2, t.mean(0)
@@ -217,7 +211,9 @@ def _pool_mean(ctx: Ctx) -> None:
     gfxgraph.enable()
     plain = ShapeBucketPool(model, [8], progress=False)
     _, m0 = plain(x)
-    ctx.observed["without_validation_differs"] = not bool(torch.allclose(m0, x.mean(0)))
+    if not torch.allclose(m0, x.mean(0)):
+        raise SilentWrong("the batch-mean output includes the padding rows (differs from eager)")
+    ctx.observed["caught_without_validation"] = list(plain.row_coupled.values())
     gfxgraph.enable(validate=True)
     pool = ShapeBucketPool(model, [8], progress=False)
     y, m = pool(x)

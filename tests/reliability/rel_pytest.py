@@ -3,7 +3,7 @@
 The first test that needs a result runs every unit the session selected (and can
 run here) in parallel, like ``benchmarks/reliability.py`` does, and caches the
 results; each test then asserts its own case's verdict. ``known_issue`` cases are
-``xfail(strict=False)``.
+``xfail(strict=True)``: a fix (or a drift) makes them XPASS, which fails the run.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def params(where: str) -> list[Any]:
     for c in rel_registry.cases():
         if c.where != where:
             continue
-        marks = [pytest.mark.xfail(reason=f"known issue: {c.known_issue}", strict=False)] if c.known_issue else []
+        marks = [pytest.mark.xfail(reason=f"known issue: {c.known_issue}", strict=True)] if c.known_issue else []
         out.append(pytest.param(c.name, id=c.name, marks=marks))
     return out
 

@@ -21,8 +21,8 @@ must pass) on a CPU-only machine, which is how CI covers them.
 
 ``known_issue``: the case exposes a library bug that is reported and not yet
 fixed. The runner still counts the case as failing; pytest marks it
-``xfail(strict=False)`` so CI stays green until the fix lands (then it XPASSes
-and the note should be removed).
+``xfail(strict=True)``, so the fix (or any drift) shows as an XPASS that fails
+the run until the note is removed.
 """
 
 from __future__ import annotations

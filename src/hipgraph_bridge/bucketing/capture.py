@@ -99,7 +99,9 @@ class BucketCapturer:
         except Exception as exc:
             if result.stage == "capture":
                 self._retire_pool()
-            logger.warning("gfxgraph: bucket %d runs eagerly from now on: capture failed: %s", bucket, exc)
+                logger.warning("gfxgraph: bucket %d runs eagerly from now on: capture failed: %s", bucket, exc)
+            else:  # the pool decides: a bad input, or a model that cannot run padded
+                logger.debug("gfxgraph: bucket %d: the model raised during warm-up: %s", bucket, exc)
             result.reason, result.failed = "capture_failed", f"bucket {bucket}: {type(exc).__name__}: {exc}"
             return result
         except BaseException:

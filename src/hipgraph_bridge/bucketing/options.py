@@ -10,8 +10,9 @@ from ..checks import check_bool, check_cuda_generators, check_int
 __all__ = ["check_pool_options"]
 
 
-def check_pool_options(model_fn: Any, batch_dim: Any, oversize: Any, warmup_iters: Any, pad_value: Any,
-                   static_args: Any, copy_outputs: Any, progress: Any, generators: Sequence[Any]) -> None:
+def check_pool_options(model_fn: Any, buckets: Any, max_batch_size: Any, batch_dim: Any, oversize: Any,
+                       warmup_iters: Any, pad_value: Any, static_args: Any, generators: Sequence[Any],
+                       **flags: Any) -> None:
     if not callable(model_fn):
         raise TypeError(f"model_fn: expected a callable, got {type(model_fn).__name__}")
     check_int("batch_dim", batch_dim)
@@ -26,6 +27,9 @@ def check_pool_options(model_fn: Any, batch_dim: Any, oversize: Any, warmup_iter
     for s in static_args:
         if isinstance(s, bool) or not isinstance(s, (int, str)):
             raise TypeError(f"static_args: expected argument positions (int) or names (str), got {s!r}")
-    check_bool("copy_outputs", copy_outputs)
-    check_bool("progress", progress)
+    for name, flag in flags.items():
+        check_bool(name, flag)
     check_cuda_generators("generators", generators)
+    if buckets is not None and max_batch_size is not None:
+        raise ValueError(f"buckets={buckets!r} and max_batch_size={max_batch_size!r}: expected one of them "
+                         "(max_batch_size only chooses the default buckets)")

@@ -24,13 +24,11 @@ Workflow of a call ``pool(*args, **kwargs)``:
    pool after capture, so 36 buckets cost about what the largest alone does,
    and any call may overwrite the static outputs of every bucket.
 
-Calls are serialised by a lock; a call from another CUDA stream than the
-previous one first waits for it. :meth:`~ShapeBucketPool.capture_all` runs the
-model on the example arguments, so reset model state after it. In validation
-mode every call also runs eagerly and returns the eager result on a mismatch.
-
-What it will not do: make a non-batched output that reduces over the batch
-(a batch mean) match eager when padding rows are added. Validation mode catches it.
+Eager calls (no GPU, oversize, a failed bucket) run the model on the caller's
+own arguments; a padded call never returns what eager would not (:mod:`.padding`).
+Calls are serialised by a lock, and one from another stream waits for the
+previous one. :meth:`~ShapeBucketPool.capture_all` runs the model on the
+example arguments: reset model state after it.
 """
 
 from __future__ import annotations
@@ -46,7 +44,6 @@ from tqdm.auto import tqdm
 
 from .. import config, stats
 from .._torch_compat import current_raw_stream, pytree
-from ..checks import check_bool
 from ..config import check_vram_cap, read_vram_cap
 from ..graph.bridged import SafeCUDAGraph
 from ..graph.capture import check_capture_mode, frozen_gc, record_on_current_stream
@@ -94,10 +91,8 @@ class ShapeBucketPool:
             their random streams advance per replay (the default generator always is).
         progress: show a tqdm bar in :meth:`capture_all`.
         batched_outputs: one flag per output leaf saying whether it carries the batch,
-            or a function of the outputs returning them (None: learn them). Default:
-            learnt with one extra eager run at another batch size (when there are
-            several buckets); pass it for a model whose state has a fixed batch size
-            (a KV cache), where that run would fail or write the state.
+            or a function of the outputs returning them. Default: learnt with one
+            extra eager run at another batch size (:mod:`.outputs`).
         stateful: the model writes state it keeps (a static KV cache): it is never
             run twice for one call (no validation re-run, no padding check, no output
             probe) and never padded (a batch that is not a bucket runs eagerly).
@@ -130,13 +125,9 @@ class ShapeBucketPool:
         stateful: bool = False,
         simulate_padding: bool = False,
     ) -> None:
-        check_pool_options(model_fn, batch_dim, oversize, warmup_iters, pad_value, static_args, copy_outputs,
-                           progress, generators)
-        check_bool("stateful", stateful)
-        check_bool("simulate_padding", simulate_padding)
-        if buckets is not None and max_batch_size is not None:
-            raise ValueError(f"buckets={list(buckets)!r} and max_batch_size={max_batch_size!r}: expected one of them "
-                             "(max_batch_size only chooses the default buckets)")
+        check_pool_options(model_fn, buckets, max_batch_size, batch_dim, oversize, warmup_iters, pad_value,
+                           static_args, generators, copy_outputs=copy_outputs, progress=progress, stateful=stateful,
+                           simulate_padding=simulate_padding)
         self.model_fn = model_fn
         self.buckets: list[int] = (validate_buckets(buckets) if buckets is not None
                                    else default_buckets(256 if max_batch_size is None else max_batch_size))
@@ -190,39 +181,50 @@ class ShapeBucketPool:
                 leaves, batch = matched
                 inputs = self._inputs
                 assert inputs is not None  # a quick plan exists only with fixed inputs
-            else:  # the first call, another layout, inputs that require grad, or the pool was closed meanwhile
-                leaves, layout, batch = classify(args, kwargs, batch_dim=self.batch_dim,
-                                                 static_args=self.static_args)
-                if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
-                    return self._with_grad(args, kwargs)
-                inputs = self._fixed_inputs(leaves, layout)
-            if batch > self.max_bucket:
-                return self._oversize(batch, args, kwargs)
-            if not self._graphs_available and not self.simulate_padding:
-                stats.record_fallback("no_gpu", probe().reason or "")
+                return self._call(inputs, leaves, batch, args, kwargs)
+            # the first call, another layout, inputs that require grad, or the pool was closed meanwhile
+            leaves, layout, batch = classify(args, kwargs, batch_dim=self.batch_dim, static_args=self.static_args)
+            if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
+                return self._with_grad(args, kwargs)
+            first = self._inputs is None
+            inputs = self._fixed_inputs(leaves, layout)
+            try:
+                return self._call(inputs, leaves, batch, args, kwargs)
+            except BaseException:
+                if first and not self._entries:  # a first call that failed does not fix the layout
+                    self._inputs, self._quick = None, None
+                raise
+
+    def _call(self, inputs: StaticInputs, leaves: list[Any], batch: int, args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> Any:
+        """The call once its arguments fit the layout (under the lock)."""
+        if batch > self.max_bucket:
+            return self._oversize(batch, args, kwargs)
+        if not self._graphs_available and not self.simulate_padding:
+            stats.record_fallback("no_gpu", probe().reason or "")
+            return self._eager(args, kwargs)
+        bucket = self._table[batch]
+        consts = inputs.layout.consts(leaves) if inputs.layout.has_consts else ()
+        entry = self._entries.get((bucket, consts))
+        if batch < bucket:
+            refusal = self._padding.refusal(consts, outputs_known=entry is None or entry.layout is None
+                                            or entry.layout.known)
+            if refusal is not None:
+                stats.record_fallback(*refusal)
                 return self._eager(args, kwargs)
-            bucket = self._table[batch]
-            consts = inputs.layout.consts(leaves) if inputs.layout.has_consts else ()
-            entry = self._entries.get((bucket, consts))
-            if batch < bucket:
-                refusal = self._padding.refusal(consts, outputs_known=entry is None or entry.layout is None
-                                                or entry.layout.known)
-                if refusal is not None:
-                    stats.record_fallback(*refusal)
-                    return self._eager(args, kwargs)
-            if self._graphs_available:
-                self._order_after_previous_call()
-            if entry is not None and entry.failed is not None:
-                stats.record_fallback(entry.reason, entry.failed)
-                return self._eager(args, kwargs)
-            inputs.stage(leaves, batch)
-            if entry is None:
-                entry, out = self._first_call(bucket, (bucket, consts), leaves, batch, args, kwargs)
-            else:
-                out = self._replay(entry, leaves, batch, args, kwargs)
-            if out is _EAGER:
-                return self._last_eager
-            return self._checked(entry, out, batch, args, kwargs)
+        if self._graphs_available:
+            self._order_after_previous_call()
+        if entry is not None and entry.failed is not None:
+            stats.record_fallback(entry.reason, entry.failed)
+            return self._eager(args, kwargs)
+        inputs.stage(leaves, batch)
+        if entry is None:
+            entry, out = self._first_call(bucket, (bucket, consts), leaves, batch, args, kwargs)
+        else:
+            out = self._replay(entry, leaves, batch, args, kwargs)
+        if out is _EAGER:
+            return self._last_eager
+        return self._checked(entry, out, batch, args, kwargs)
 
     def _replay(self, entry: Bucket, leaves: list[Any], batch: int, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> Any:
@@ -299,6 +301,8 @@ class ShapeBucketPool:
             except Exception:
                 del self._entries[key]  # a bad input, not a bad bucket: a later good call captures it
                 raise
+            logger.warning("gfxgraph: bucket %d runs eagerly from now on: the model raised on the padded inputs "
+                           "but not on the caller's own: %s", bucket, entry.failed)
             stats.record_fallback(entry.reason, entry.failed or "")
             return entry, out
         if warm is not None and entry.layout is not None:  # the capture ran (the VRAM cap may have undone it)
@@ -406,21 +410,15 @@ class ShapeBucketPool:
             inputs.fill_example(leaves, batch)
             consts = inputs.layout.consts(leaves)
             todo = [b for b in reversed(self.buckets) if (b, consts) not in self._entries]
-            t0 = time.perf_counter()
-            free_before = torch.cuda.mem_get_info()[0] if self._graphs_available else 0
-            bar = tqdm(todo, desc="gfxgraph capture", unit="graph", leave=False,
-                       disable=not (self.progress and len(todo) > 1))
+            t0, free_before = time.perf_counter(), torch.cuda.mem_get_info()[0] if self._graphs_available else 0
             with frozen_gc():
-                for b in bar:
+                for b in tqdm(todo, desc="gfxgraph capture", unit="graph", leave=False,
+                              disable=not (self.progress and len(todo) > 1)):
                     self._capture(b, (b, consts), leaves, keep_warm=False, freeze_gc=False)
             seconds = time.perf_counter() - t0
-            report = {
-                "buckets": len(todo),
-                "captured": sum(1 for b in todo if self._entries[(b, consts)].graph is not None),
-                "seconds": seconds,
-                "pool_bytes": self.pool_bytes(),
-                "device_bytes_used": (free_before - torch.cuda.mem_get_info()[0]) if self._graphs_available else 0,
-            }
+            report = {"buckets": len(todo), "seconds": seconds, "pool_bytes": self.pool_bytes(),
+                      "captured": sum(1 for b in todo if self._entries[(b, consts)].graph is not None),
+                      "device_bytes_used": (free_before - torch.cuda.mem_get_info()[0]) if free_before else 0}
         logger.info("gfxgraph: captured %d/%d buckets in %.2f s; graph pool %.1f MiB",
                     report["captured"], report["buckets"], seconds, report["pool_bytes"] / 2**20)
         return report
