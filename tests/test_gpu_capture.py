@@ -25,16 +25,17 @@ def _usable() -> None:
     assert y.shape == x.shape and not torch.cuda.is_current_stream_capturing()
 
 
-def test_capture_end_inside_an_unrelated_except_block_keeps_the_graph():
+def test_a_capture_inside_an_except_block_keeps_the_graph():
+    """An exception already being handled when the capture began is not the region's."""
     x = torch.ones(8, device="cuda")
     s = torch.cuda.Stream()
     g = BridgedCUDAGraph()
-    with torch.cuda.stream(s):
-        g.capture_begin()
-        y = x * 2
-        try:
-            raise KeyError("handled by the caller, unrelated to the capture")
-        except KeyError:
+    try:
+        raise KeyError("handled by the caller, before the capture")
+    except KeyError:
+        with torch.cuda.stream(s):
+            g.capture_begin()
+            y = x * 2
             g.capture_end()
     assert g.state is GraphState.READY
     x.fill_(4.0)

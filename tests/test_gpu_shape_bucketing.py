@@ -190,23 +190,24 @@ class _Stepper(torch.nn.Module):
 @pytest.mark.parametrize("warmup_iters,runs_first_call", [(1, 1), (0, 1), (3, 3)])
 def test_model_runs_once_per_call_its_first_included(warmup_iters, runs_first_call):
     m = _Stepper()
-    pool = ShapeBucketPool(m, [4, 8], warmup_iters=warmup_iters, batched_outputs=(True,))
-    x = torch.ones(3, 2, device="cuda")
+    pool = ShapeBucketPool(m, [4, 8], warmup_iters=warmup_iters, stateful=True)
+    x = torch.ones(4, 2, device="cuda")
     torch.testing.assert_close(pool(x), x * runs_first_call)  # the first call's own result
     assert int(m.steps) == runs_first_call
-    for k in range(1, 6):
-        n = 3 if k % 2 else 6  # bucket 4 replays; bucket 8 captures on its first use
+    for k in range(1, 8):
+        n = (4, 8, 3)[k % 3]  # bucket 4 replays, bucket 8 captures on its first use, 3 rows run eagerly
         before = int(m.steps)
         out = pool(torch.ones(n, 2, device="cuda"))
-        first_use = n == 6 and k == 2
+        first_use = n == 8 and k == 1
         after = before + (runs_first_call if first_use else 1)
         assert int(m.steps) == after
         torch.testing.assert_close(out, torch.full((n, 2), float(after), device="cuda"))
+    assert gfxgraph.stats()["fallback_reasons"]["padded_state_write"] == 2
 
 
 def test_capture_all_runs_the_warmups_then_calls_run_once():
     m = _Stepper()
-    pool = ShapeBucketPool(m, [2, 4], batched_outputs=(True,), progress=False)
+    pool = ShapeBucketPool(m, [2, 4], stateful=True, progress=False)
     pool.capture_all(torch.ones(2, 3, device="cuda"))
     assert int(m.steps) == 2  # one warm-up per bucket: a model with state resets after capture_all
     m.steps.zero_()

@@ -29,7 +29,7 @@ def test_cpu_build_paths():
 
 
 def test_graph_context_exception_outside_the_context_is_none():
-    assert tc.graph_context_exception(depth=1) is None
+    assert tc.graph_context_exception(depth=1) == (False, None)
 
 
 def test_pointer_check_python_fallback():

@@ -97,19 +97,18 @@ has_check_input_liveness = "check_input_liveness" in inspect.signature(OriginalC
 _GRAPH_EXIT = getattr(torch.cuda.graphs.graph.__exit__, "__code__", None)
 
 
-def graph_context_exception(depth: int = 2) -> BaseException | None:
-    """The exception a ``torch.cuda.graph`` region raised, when ``capture_end`` is called by its ``__exit__``.
+def graph_context_exception(depth: int = 2) -> tuple[bool, BaseException | None]:
+    """Whether ``capture_end`` is being called by ``torch.cuda.graph.__exit__``, and the region's exception.
 
     That ``__exit__`` passes no exception to ``capture_end``, so the frame
-    ``depth`` levels up is read. None when the region did not raise, or when
-    ``capture_end`` was called some other way (an explicit end, whatever
-    exception the caller may be handling).
+    ``depth`` levels up is read: (True, the exception or None). (False, None)
+    when ``capture_end`` was called some other way.
     """
     frame = sys._getframe(depth)
     if frame.f_code is not _GRAPH_EXIT:
-        return None
+        return False, None
     args = frame.f_locals.get("args")
-    return args[1] if args and len(args) > 1 and isinstance(args[1], BaseException) else None
+    return True, (args[1] if args and len(args) > 1 and isinstance(args[1], BaseException) else None)
 
 
 def end_allocate_to_pool(device: int, pool: tuple[int, int]) -> tuple[bool, str]:

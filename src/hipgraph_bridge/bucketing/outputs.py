@@ -79,8 +79,8 @@ def learn_output_layout(outputs: Any, bucket: int, *, batch_dim: int, given: Bat
     ``known``: flags learnt earlier for the same constant arguments.
     ``probe``: runs the model eagerly at another batch size and returns
     (that size, its output leaves), or None when that failed; ``probe=None``
-    means no call will ever be sliced (bucket 1, or a model never padded),
-    so the flags are not needed.
+    means no call will ever be sliced (one bucket of size 1, or a model
+    never padded), so the flags are not needed.
     """
     leaves, spec = pytree.tree_flatten(outputs)
     if known is not None:
@@ -93,7 +93,7 @@ def learn_output_layout(outputs: Any, bucket: int, *, batch_dim: int, given: Bat
         return OutputLayout(bucket, spec, tuple(bool(f) for f in flags))
     bd = batch_dim
     candidates = tuple(isinstance(o, torch.Tensor) and o.dim() > bd and o.shape[bd] == bucket for o in leaves)
-    if not any(candidates) or probe is None or bucket == 1:
+    if not any(candidates) or probe is None:
         return OutputLayout(bucket, spec, candidates)
     found = probe()
     if found is None or len(found[1]) != len(leaves):

@@ -62,9 +62,9 @@ class PaddingGuard:
         The result is ``padded_out`` when they agree, else the eager one (and
         this key's padded calls run eagerly from now on).
         """
-        self._checked.add(key)
         reference = eager()
         why = padding_changed(padded_out, reference)
+        self._checked.add(key)  # only once it is decided: a check that raised is tried again
         if not why:
             return padded_out, reference
         bucket, consts = key

@@ -386,7 +386,8 @@ class ShapeBucketPool:
         """Which outputs carry the batch, learnt once per constant-argument key."""
         inputs = self._inputs
         assert inputs is not None
-        probe = None if self.stateful else functools.partial(  # a stateful model is never padded, nor re-run
+        never_sliced = self.stateful or self.max_bucket == 1  # a stateful model is never padded, nor re-run
+        probe = None if never_sliced else functools.partial(
             probe_other_size, self.model_fn, inputs, leaves, entry.size, self.max_bucket)
         layout = learn_output_layout(outputs, entry.size, batch_dim=self.batch_dim, given=self.batched_outputs,
                                      known=self._out_flags.get(entry.key), probe=probe)

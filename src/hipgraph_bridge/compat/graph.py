@@ -41,7 +41,10 @@ class BridgedCUDAGraph(SafeCUDAGraph):
 
     @property
     def state(self) -> GraphState:
-        return GraphState.SESSION if self._session is not None else super().state
+        session = self._session
+        if session is None:
+            return super().state
+        return GraphState.FAILED if session.mode == "interrupted" else GraphState.SESSION
 
     def capture(
         self,

@@ -37,7 +37,6 @@ from .._torch_compat import pytree
 from ..bucketing.pool import ShapeBucketPool
 from ..checks import check_bool, check_int
 from ..conditional.graph import ConditionalGraph, ConditionalState
-from ..errors import GraphCaptureError
 from ..graph.bridged import SafeCUDAGraph
 from ..graph.capture import GraphCapture, warm_up
 from ..log import logger
@@ -50,6 +49,9 @@ __all__ = ["Session", "StaticSession", "BucketSession", "ConditionalSession", "o
 
 class Session(Protocol):
     """What ``BridgedCUDAGraph`` holds after ``capture(model_fn=...)``."""
+
+    @property
+    def mode(self) -> str: ...
 
     def __enter__(self) -> Any: ...
 
@@ -101,7 +103,7 @@ class StaticSession:
         self._pool = pool
         self._graph: SafeCUDAGraph | None = None
         self._capture: GraphCapture | None = None
-        self._mode = "pending"  # -> "graph" | "eager"
+        self._mode = "pending"  # -> "graph" | "eager" | "interrupted"
         self._reason = ""
         self._detail = ""
 
@@ -161,7 +163,7 @@ class StaticSession:
                 failure = body_exc
         try:
             capture.__exit__(None if failure is None else type(failure), failure, None)
-        except GraphCaptureError as end_exc:
+        except Exception as end_exc:  # PyTorch rejected the capture at its end (already discarded)
             failure = end_exc
         if failure is None:
             self._mode = "graph"
@@ -169,6 +171,7 @@ class StaticSession:
             return False
         if not isinstance(failure, Exception) or self.model_fn is None:
             # KeyboardInterrupt/SystemExit, or nothing to fall back to: propagate.
+            self._mode = "interrupted"
             if failure is not exc:
                 raise failure
             return False
@@ -183,6 +186,9 @@ class StaticSession:
                             "capture(conditional_branches=...); this graph has one static shape")
         if self._mode == "pending":
             raise RuntimeError("replay() called before the capture() block finished")
+        if self._mode == "interrupted":
+            raise RuntimeError("replay(): the capture() block was interrupted and its capture discarded; "
+                               "capture again")
         if self._mode == "eager":
             return self._run_eager(input_tensor, count=True)
         if input_tensor is not None:
@@ -239,6 +245,11 @@ class BucketSession:
             raise TypeError("capture(dynamic_shapes=True) needs model_fn= (the function to bucket)")
         self.pool = ShapeBucketPool(model_fn, buckets, copy_outputs=copy_outputs, warmup_iters=warmup_iters)
         self.example_input = example_input
+
+    @property
+    def mode(self) -> str:
+        """``"graph"`` with a GPU, ``"eager"`` without one."""
+        return "graph" if probe().graphs_available else "eager"
 
     def __enter__(self) -> BucketSession:
         return self

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import inspect
+import sys
 import time
 import weakref
 from collections.abc import Sequence
@@ -79,6 +80,7 @@ class SafeCUDAGraph(OriginalCUDAGraph):  # type: ignore[misc,valid-type]
         if not _BASE_IS_STUB:
             super().__init__(keep_graph, *args, **kwargs)
         self._capture: GraphCapture | None = None
+        self._exc_at_begin: BaseException | None = None  # the exception in flight when capture_begin ran
         self._generators: tuple[torch.Generator, ...] = ()  # registered with register_generator_state
         self._replays = stats.ReplayCounter()
         stats.track_replays(self._replays)
@@ -132,11 +134,12 @@ class SafeCUDAGraph(OriginalCUDAGraph):  # type: ignore[misc,valid-type]
             raise TypeError(f"capture_begin() takes at most {2 + len(_MORE_BEGIN_PARAMS)} arguments "
                             f"({2 + len(args)} given)")
         kwargs.update(zip(_MORE_BEGIN_PARAMS, args))
-        asked = kwargs.pop("check_input_liveness", None)
-        track = bool(asked) if asked is not None else (config.switches.debug or config.switches.validate)
+        # torch.cuda.graph passes check_input_liveness=False on torch >= 2.13: debug/validate still track
+        track = bool(kwargs.pop("check_input_liveness", False)) or config.switches.debug or config.switches.validate
         cap = GraphCapture(self, pool=pool, capture_error_mode=capture_error_mode, generators=self._generators,
                            track_inputs=track, **kwargs)
         self._start(cap)
+        self._exc_at_begin = sys.exc_info()[1]
         try:
             cap.begin()
         except BaseException:
@@ -147,9 +150,12 @@ class SafeCUDAGraph(OriginalCUDAGraph):  # type: ignore[misc,valid-type]
         """End the capture started by ``capture_begin``.
 
         * The capture succeeded: the graph is ready.
-        * The region raised (an exception is propagating through a
-          ``with torch.cuda.graph(...)`` block): the partial graph is discarded,
-          and this returns so the region's own exception reaches the caller.
+        * The region raised: the partial graph is discarded, and this returns
+          so the region's own exception reaches the caller. Inside
+          ``torch.cuda.graph`` that is read from its ``__exit__``; called
+          directly, it means an exception raised since ``capture_begin`` is in
+          flight (propagating through a ``finally``, or being handled: end the
+          capture outside the ``except`` block to keep what it captured).
         * PyTorch rejected the capture (a sync in the region, another stream):
           the capture is discarded and PyTorch's exception is raised, its
           message followed by a hint.
@@ -158,7 +164,11 @@ class SafeCUDAGraph(OriginalCUDAGraph):  # type: ignore[misc,valid-type]
         returns or raises.
         """
         self._require_native("capture_end")
-        raised = graph_context_exception()
+        from_context, raised = graph_context_exception()
+        if not from_context:
+            in_flight = sys.exc_info()[1]
+            raised = in_flight if in_flight is not self._exc_at_begin else None
+        self._exc_at_begin = None  # do not keep its traceback (and frames) alive
         cap = self._capture
         if raised is not None and cap is not None and cap.state is CaptureState.DISCARDED:
             return  # already discarded; the region's exception is on its way
