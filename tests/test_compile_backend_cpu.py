@@ -367,9 +367,10 @@ class Counter(torch.nn.Module):
         return x * 2 + self.steps
 
 
-def test_state_writes_are_graphed_and_run_once_per_call():
+@pytest.mark.parametrize("warmup_iters", [1, 3])  # a state-writing subgraph warms up at most once
+def test_state_writes_are_graphed_and_run_once_per_call(warmup_iters):
     m = Counter()
-    c = torch.compile(m, backend="gfxgraph", options={**FAST, "buckets": [4, 8]})
+    c = torch.compile(m, backend="gfxgraph", options={**FAST, "buckets": [4, 8], "warmup_iters": warmup_iters})
     with torch.no_grad():
         for k in range(1, 7):
             x = torch.randn(4, 3)

@@ -187,7 +187,7 @@ class _Stepper(torch.nn.Module):
         return x * self.steps
 
 
-@pytest.mark.parametrize("warmup_iters,runs_first_call", [(1, 1), (0, 1), (3, 3)])
+@pytest.mark.parametrize("warmup_iters,runs_first_call", [(1, 1), (0, 1)])  # stateful: at most 1
 def test_model_runs_once_per_call_its_first_included(warmup_iters, runs_first_call):
     m = _Stepper()
     pool = ShapeBucketPool(m, [4, 8], warmup_iters=warmup_iters, stateful=True)
@@ -203,6 +203,34 @@ def test_model_runs_once_per_call_its_first_included(warmup_iters, runs_first_ca
         assert int(m.steps) == after
         torch.testing.assert_close(out, torch.full((n, 2), float(after), device="cuda"))
     assert gfxgraph.stats()["fallback_reasons"]["padded_state_write"] == 2
+
+
+def test_a_stateful_first_call_whose_capture_differs_returns_its_warm_up_run():
+    m = _Stepper()
+    runs = []
+
+    def model(x):
+        runs.append(1)
+        return m(x), len(runs)  # the int differs between warm-up and capture: the warm-up cannot be reused
+    pool = ShapeBucketPool(model, [4], stateful=True)
+    y, n = pool(torch.ones(4, 2, device="cuda"))
+    assert int(m.steps) == 1 and n == 1  # the warm-up run, not a replay (which would step again)
+    torch.testing.assert_close(y, torch.ones(4, 2, device="cuda"))
+    y, _ = pool(torch.ones(4, 2, device="cuda"))
+    assert int(m.steps) == 2 and pool.captured_buckets == [4]
+
+
+def test_a_stateful_model_that_raises_is_run_once():
+    m = _Stepper()
+
+    def model(x):
+        m(x)
+        raise RuntimeError("cache full")
+
+    pool = ShapeBucketPool(model, [4], stateful=True)
+    with pytest.raises(RuntimeError, match="cache full"):
+        pool(torch.ones(4, 2, device="cuda"))
+    assert int(m.steps) == 1 and not pool.failed_buckets  # not re-run on the caller's arguments
 
 
 def test_capture_all_runs_the_warmups_then_calls_run_once():

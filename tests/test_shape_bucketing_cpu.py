@@ -223,7 +223,7 @@ def test_fast_path_sends_other_constant_kinds_to_the_full_checks():
 
 def test_a_call_from_another_stream_waits_for_the_default_stream(monkeypatch):
     """The default stream's handle is 0: the first call on it must still be remembered."""
-    from hipgraph_bridge.bucketing import pool as sb
+    from hipgraph_bridge.bucketing import ordering
 
     class FakeStream:
         def __init__(self, handle: int) -> None:
@@ -237,13 +237,13 @@ def test_a_call_from_another_stream_waits_for_the_default_stream(monkeypatch):
 
     default, side = FakeStream(0), FakeStream(7)
     current = {"s": default}
-    monkeypatch.setattr(sb, "current_raw_stream", lambda: current["s"].handle)
+    monkeypatch.setattr(ordering, "current_raw_stream", lambda: current["s"].handle)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: current["s"])
-    pool = ShapeBucketPool(lambda x: x, [4])
-    pool._order_after_previous_call()
-    pool._order_after_previous_call()
+    order = ordering.CallOrder()
+    order.after_previous()
+    order.after_previous()
     current["s"] = side
-    pool._order_after_previous_call()
+    order.after_previous()
     assert side.waited == [0]
     assert default.waited == []
 
@@ -323,6 +323,71 @@ def test_outputs_that_cannot_be_learnt_run_padded_calls_eagerly(caplog):
     with pytest.raises(RuntimeError, match="only takes 4 rows"):  # padded: eager, on the caller's 3 rows
         pool(torch.ones(3, 2))
     assert gfxgraph.stats()["fallback_reasons"]["unknown_outputs"] == 1
+
+
+@cpu_only
+def test_a_model_that_raises_only_on_the_padded_inputs_runs_that_bucket_eagerly():
+    seen = []
+
+    def model(x):
+        seen.append(x.shape[0])
+        if x.shape[0] == 8:
+            raise RuntimeError("no 8-row batches")
+        return x + 1
+
+    pool = ShapeBucketPool(model, [4, 8], simulate_padding=True)
+    torch.testing.assert_close(pool(torch.zeros(5, 2)), torch.ones(5, 2))  # padded to 8: raised; eager on 5
+    assert seen == [8, 5] and 8 in pool.failed_buckets
+    torch.testing.assert_close(pool(torch.zeros(6, 2)), torch.ones(6, 2))
+    assert seen == [8, 5, 6]  # the failed bucket runs eagerly without trying the padded run again
+    reasons = gfxgraph.stats()["fallback_reasons"]
+    assert reasons["padded_run_failed"] == 2 and "capture_failed" not in reasons
+    assert pool._last_eager is None  # an eager result is not kept alive by the pool
+
+
+@cpu_only
+def test_a_model_that_raises_on_the_callers_arguments_too_raises_its_error_and_fixes_nothing():
+    def model(x):
+        if x.shape[1] != 2:
+            raise ValueError("expected 2 features")
+        return x + 1
+
+    pool = ShapeBucketPool(model, [4], simulate_padding=True)
+    with pytest.raises(ValueError, match="expected 2 features"):
+        pool(torch.zeros(3, 5))
+    assert pool._inputs is None and not pool.failed_buckets  # the first call fixed no layout, failed no bucket
+    torch.testing.assert_close(pool(torch.zeros(3, 2)), torch.ones(3, 2))
+
+
+@cpu_only
+def test_a_stateful_model_that_raises_runs_once_and_raises():
+    runs = []
+
+    def model(x):
+        runs.append(x.shape[0])
+        raise RuntimeError("cache full")
+
+    pool = ShapeBucketPool(model, [4], stateful=True, simulate_padding=True)
+    with pytest.raises(RuntimeError, match="cache full"):
+        pool(torch.zeros(4, 2))
+    assert runs == [4]  # never re-run: a second run would write its state twice
+
+
+@cpu_only
+def test_outputs_that_cannot_be_learnt_in_a_padded_call_run_it_eagerly():
+    def model(x):
+        if x.shape[0] in (1, 7):  # the probe sizes of bucket 8
+            raise RuntimeError("odd sizes unsupported")
+        return x * 2
+
+    pool = ShapeBucketPool(model, [8], simulate_padding=True)
+    torch.testing.assert_close(pool(torch.ones(5, 2)), torch.full((5, 2), 2.0))
+    assert gfxgraph.stats()["fallback_reasons"]["unknown_outputs"] == 1
+
+
+def test_stateful_with_several_warm_up_runs_is_refused():
+    with pytest.raises(ValueError, match="warmup_iters=2 with stateful=True: expected 0 or 1"):
+        ShapeBucketPool(lambda x: x, [4], stateful=True, warmup_iters=2)
 
 
 def test_inputs_that_require_grad_run_eagerly_with_autograd():

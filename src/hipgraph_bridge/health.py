@@ -33,7 +33,8 @@ def _graph_round_trip() -> dict[str, Any]:
         y = x * 2 + 1
     torch.cuda.current_stream().wait_stream(stream)
     t0 = time.perf_counter()
-    with torch.cuda.graph(g, stream=stream, capture_error_mode="thread_local"):  # other threads carry on
+    # not torch.cuda.graph: its device-wide sync would break a capture running in another thread
+    with g.capturing(stream=stream, capture_error_mode="thread_local"):
         y = x * 2 + 1
     capture_us = (time.perf_counter() - t0) * 1e6
     worst = 0.0
@@ -44,7 +45,7 @@ def _graph_round_trip() -> dict[str, Any]:
         t1 = time.perf_counter_ns()
         g.replay()
         replay_ns.append(time.perf_counter_ns() - t1)
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
         worst = max(worst, (y - (src * 2 + 1)).abs().max().item())
     g.reset()
     return {"capture_us": capture_us, "replay_us": min(replay_ns) / 1000.0, "max_abs_error": worst}

@@ -85,7 +85,8 @@ class _ReplayRecorder:
 
 class _Registry:
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        # reentrant: a finaliser that records (a graph released by the collector) may run while it is held
+        self.lock = threading.RLock()
         self.gen = object()
         self.recorders: list[_ReplayRecorder] = []
         self.enabled_at: float | None = None

@@ -40,6 +40,7 @@ class Captured:
     reason: str = ""
     failed: str | None = None
     stage: str = ""  # where a failure happened: "warm_up" (the model raised) or "capture"
+    error: Exception | None = None  # the exception of a failure
 
 
 class BucketCapturer:
@@ -102,6 +103,7 @@ class BucketCapturer:
                 logger.warning("gfxgraph: bucket %d runs eagerly from now on: capture failed: %s", bucket, exc)
             else:  # the pool decides: a bad input, or a model that cannot run padded
                 logger.debug("gfxgraph: bucket %d: the model raised during warm-up: %s", bucket, exc)
+            result.outputs, result.error = None, exc
             result.reason, result.failed = "capture_failed", f"bucket {bucket}: {type(exc).__name__}: {exc}"
             return result
         except BaseException:

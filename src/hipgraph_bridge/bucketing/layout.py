@@ -15,6 +15,8 @@ differs raises ``ValueError`` naming what was expected.
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
@@ -38,9 +40,15 @@ class CallLayout:
     tensor_meta: tuple[Any, ...]  # per leaf: (dtype, device, shape without the batch dim) or None
     where: tuple[str, ...]  # per leaf: human path, e.g. "args[0]" or "kwargs['mask']"
 
-    @property
+    @functools.cached_property
     def has_consts(self) -> bool:
         return CONST in self.kinds
+
+    def check_on(self, device_type: str) -> None:
+        """Every tensor leaf is on a ``device_type`` device (else ``ValueError`` naming the leaf)."""
+        for path, meta in zip(self.where, self.tensor_meta):
+            if meta is not None and meta[1].type != device_type:
+                raise ValueError(f"{path}: expected a tensor on a {device_type.upper()} device, got one on {meta[1]}")
 
     def consts(self, leaves: list[Any]) -> tuple[Any, ...]:
         """The constant leaves of a call: its graph key."""

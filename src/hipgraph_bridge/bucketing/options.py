@@ -30,6 +30,9 @@ def check_pool_options(model_fn: Any, buckets: Any, max_batch_size: Any, batch_d
     for name, flag in flags.items():
         check_bool(name, flag)
     check_cuda_generators("generators", generators)
+    if flags.get("stateful") and warmup_iters > 1:
+        raise ValueError(f"warmup_iters={warmup_iters} with stateful=True: expected 0 or 1 (each warm-up run "
+                         "writes the model's state; with 1 the warm-up run is the call's own run)")
     if buckets is not None and max_batch_size is not None:
         raise ValueError(f"buckets={buckets!r} and max_batch_size={max_batch_size!r}: expected one of them "
                          "(max_batch_size only chooses the default buckets)")

@@ -110,9 +110,10 @@ def probe_other_size(model_fn: Callable[..., Any], inputs: Any, leaves: list[Any
                      largest: int) -> tuple[int, list[Any]] | None:
     """Run the model eagerly at a batch size other than ``bucket`` (on the static buffers' rows).
 
-    Tries 1, then ``bucket - 1`` (or 2 for bucket 1); returns (that size, its
-    output leaves), or None when every try failed (a model whose state has a
-    fixed batch size, batch norm at batch 1).
+    Tries 1, then ``bucket - 1`` (or 2 for bucket 1), never above ``largest``;
+    returns (that size, its output leaves), or None when every try failed (a
+    model whose state has a fixed batch size, batch norm at batch 1). It runs
+    outside any capture, once per constant-argument key.
     """
     for size in dict.fromkeys(s for s in (1, bucket - 1 if bucket > 1 else 2) if s != bucket and s <= largest):
         try:

@@ -24,11 +24,14 @@ import logging
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from .. import stats
+from .. import config, stats
 from ..log import log_once
-from ..validation import padding_changed
+from ..validation import checked_against_eager, padding_changed
 
-__all__ = ["PaddingGuard"]
+__all__ = ["PaddingGuard", "UNKNOWN_OUTPUTS"]
+
+UNKNOWN_OUTPUTS = ("which outputs carry the batch is unknown, so a padded result cannot be sliced back; "
+                   "pass batched_outputs=")
 
 
 class PaddingGuard:
@@ -48,12 +51,29 @@ class PaddingGuard:
         if why is not None:
             return "padding_changes_results", why
         if not outputs_known:
-            return ("unknown_outputs", "which outputs carry the batch is unknown, so a padded result cannot "
-                    "be sliced back; pass batched_outputs=")
+            return "unknown_outputs", UNKNOWN_OUTPUTS
         return None
 
-    def needs_check(self, key: tuple[int, tuple[Hashable, ...]]) -> bool:
-        return not self.stateful and key not in self._checked
+    def answer(self, key: tuple[int, tuple[Hashable, ...]], batch: int, out: Any, eager: Callable[[], Any], *,
+               owner: object) -> Any:
+        """What a call returns for ``out``, its bucket's result sliced to ``batch`` rows.
+
+        A bucket's first padded result is compared with ``eager()`` (:meth:`check`);
+        in validation mode every result is (dtype-aware tolerances, counted,
+        eager returned on a mismatch), except a stateful model's, which cannot
+        be run twice.
+        """
+        validate = config.switches.validate and not self.stateful
+        first_padded = batch < key[0] and not self.stateful and key not in self._checked
+        if not (validate or first_padded):
+            return out
+        reference = None
+        if first_padded:
+            out, reference = self.check(key, batch, out, eager)
+        if validate:
+            return checked_against_eager(out, reference if reference is not None else eager(), owner=owner,
+                                         what="ShapeBucketPool")
+        return out
 
     def check(self, key: tuple[int, tuple[Hashable, ...]], batch: int, padded_out: Any,
               eager: Callable[[], Any]) -> tuple[Any, Any]:

@@ -16,9 +16,11 @@ Workflow of a call ``pool(*args, **kwargs)``:
    so with the default ``warmup_iters=1`` every call runs the model exactly
    once, and state the model advances (a KV cache's write position) moves as
    in eager mode. A capture that fails after the warm-up returns the
-   warm-up's result when the batch filled the bucket. A first call runs the
-   model more than once only with ``warmup_iters > 1``, outputs that differ
-   between warm-up and capture, or the probe run of :mod:`.outputs`.
+   warm-up's result when the batch filled the bucket. The model runs more
+   than once for a call only with ``warmup_iters > 1``, outputs that differ
+   between warm-up and capture, the probe run of :mod:`.outputs`, a bucket's
+   first padded call (checked against eager, :mod:`.padding`) or validation
+   mode; never for a ``stateful`` model.
 5. Return the outputs sliced back to ``B`` rows, copied (``copy_outputs=True``,
    the default): every graph's output memory is handed back to the shared
    pool after capture, so 36 buckets cost about what the largest alone does,
@@ -43,22 +45,22 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import config, stats
-from .._torch_compat import current_raw_stream, pytree
+from .._torch_compat import pytree
 from ..config import check_vram_cap, read_vram_cap
 from ..graph.bridged import SafeCUDAGraph
 from ..graph.capture import check_capture_mode, frozen_gc, record_on_current_stream
 from ..graph.weak_outputs import release_outputs
 from ..log import logger
 from ..platform import probe
-from ..validation import checked_against_eager
 from .buckets import BucketTable, default_buckets, validate_buckets
 from .buffers import StaticInputs
 from .capture import BucketCapturer, Captured
 from .entry import MISSING, Bucket
 from .layout import CallLayout, QuickPlan, classify
 from .options import check_pool_options
+from .ordering import CallOrder
 from .outputs import BatchedOutputs, OutputLayout, check_batched_outputs, learn_output_layout, probe_other_size
-from .padding import PaddingGuard
+from .padding import UNKNOWN_OUTPUTS, PaddingGuard
 
 __all__ = ["ShapeBucketPool"]
 
@@ -155,10 +157,7 @@ class ShapeBucketPool:
         self._quick: QuickPlan | None = None  # the hot path's flattening, for plain positional layouts
         self._entries: dict[tuple[int, tuple[Hashable, ...]], Bucket] = {}
         self._out_flags: dict[tuple[Hashable, ...], tuple[bool, ...]] = {}  # learnt batched-output flags
-        self._last_stream: torch.cuda.Stream | None = None  # stream of the previous call
-        # its handle: comparing handles is much cheaper than Stream objects. None until a first call
-        # (the default stream's handle is 0, so 0 cannot mean "no call yet")
-        self._last_raw_stream: int | None = None
+        self._order = CallOrder()
         self._last_eager: Any = None  # under the lock: the result of a call that _replay/_first_call ran eagerly
 
     @property
@@ -213,7 +212,7 @@ class ShapeBucketPool:
                 stats.record_fallback(*refusal)
                 return self._eager(args, kwargs)
         if self._graphs_available:
-            self._order_after_previous_call()
+            self._order.after_previous()
         if entry is not None and entry.failed is not None:
             stats.record_fallback(entry.reason, entry.failed)
             return self._eager(args, kwargs)
@@ -223,37 +222,25 @@ class ShapeBucketPool:
         else:
             out = self._replay(entry, leaves, batch, args, kwargs)
         if out is _EAGER:
-            return self._last_eager
-        return self._checked(entry, out, batch, args, kwargs)
+            out, self._last_eager = self._last_eager, None  # not kept alive until the next eager call
+            return out
+        if batch == entry.size and not config.switches.validate:
+            return out  # the hot path: nothing to check
+        return self._padding.answer((entry.size, entry.key), batch, out, lambda: self._eager(args, kwargs),
+                                    owner=self)
 
     def _replay(self, entry: Bucket, leaves: list[Any], batch: int, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> Any:
         """The bucket's graph on the staged inputs (the padded pipeline, eagerly, when simulated)."""
         if entry.graph is None:
-            return self._padded_eager(entry, leaves, batch)
+            return self._padded_eager(entry, leaves, batch, args, kwargs)
         layout = entry.layout
         assert layout is not None and entry.outputs is not None
         if batch < entry.size and not layout.known:  # learnt at this call's capture: cannot slice
-            stats.record_fallback("unknown_outputs", "which outputs carry the batch is unknown; pass batched_outputs=")
+            stats.record_fallback("unknown_outputs", UNKNOWN_OUTPUTS)
             return self._ran_eagerly(args, kwargs)
         entry.graph.replay()
         return layout.result(entry.outputs, batch, batch_dim=self.batch_dim, copy=self.copy_outputs, cache=True)
-
-    def _checked(self, entry: Bucket, out: Any, batch: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A bucket's first padded result is compared with eager (:mod:`.padding`); every result in
-        validation mode (dtype-aware tolerances, counted, eager returned on a mismatch)."""
-        validate = config.switches.validate and not self.stateful
-        key = (entry.size, entry.key)
-        first_padded = batch < entry.size and self._padding.needs_check(key)
-        if not (validate or first_padded):
-            return out
-        reference = None
-        if first_padded:
-            out, reference = self._padding.check(key, batch, out, lambda: self._eager(args, kwargs))
-        if validate:
-            eager = reference if reference is not None else self._eager(args, kwargs)
-            return checked_against_eager(out, eager, owner=self, what="ShapeBucketPool")
-        return out
 
     def _fixed_inputs(self, leaves: list[Any], layout: CallLayout) -> StaticInputs:
         """The static inputs of the fixed layout; the first call fixes it (allocating the buffers)."""
@@ -263,9 +250,7 @@ class ShapeBucketPool:
                 inputs.layout.check_matches(layout)
             return inputs
         if self._graphs_available:
-            for path, kind, meta in zip(layout.where, layout.kinds, layout.tensor_meta):
-                if meta is not None and meta[1].type != "cuda":
-                    raise ValueError(f"{path}: expected a tensor on a CUDA device, got one on {meta[1]}")
+            layout.check_on("cuda")
         inputs = self._inputs = StaticInputs(layout, leaves, self._table, batch_dim=self.batch_dim,
                                              pad_value=self.pad_value)
         if QuickPlan.applies(layout):
@@ -295,59 +280,77 @@ class ShapeBucketPool:
         entry, captured = self._capture(bucket, key, leaves, keep_warm=True)
         warm = captured.warm
         if captured.failed is not None and captured.stage == "warm_up":
-            # the model raised on the padded buffers: on the caller's own arguments, its own error is the answer
-            try:
-                out = self._ran_eagerly(args, kwargs)
-            except Exception:
-                del self._entries[key]  # a bad input, not a bad bucket: a later good call captures it
-                raise
-            logger.warning("gfxgraph: bucket %d runs eagerly from now on: the model raised on the padded inputs "
-                           "but not on the caller's own: %s", bucket, entry.failed)
-            stats.record_fallback(entry.reason, entry.failed or "")
-            return entry, out
+            return entry, self._after_failed_padded_run(entry, key, captured.error, args, kwargs)
         if warm is not None and entry.layout is not None:  # the capture ran (the VRAM cap may have undone it)
             out = entry.warm_result(warm, batch, batch_dim=self.batch_dim, copy=self.copy_outputs)
             if out is not MISSING:
+                if entry.failed is not None:
+                    stats.record_fallback(entry.reason, entry.failed)
                 return entry, out
+            if self.stateful:  # never run twice (batch == bucket here): the warm-up run is the answer
+                return entry, self._warm_as_result(warm)
             logger.debug("gfxgraph: bucket %d: the warm-up's outputs differ from the captured ones; "
                          "this call replays the graph (the model ran twice)", bucket)
         elif warm is not None and entry.failed is not None and bucket == batch:
             # the capture failed after a good warm-up of exactly this batch: that run is the result
             stats.record_fallback(entry.reason, entry.failed)
-            record_on_current_stream(pytree.tree_leaves(warm))
-            if self.copy_outputs:  # it may alias the static input buffers
-                warm = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, warm)
-            self._last_eager = warm
-            return entry, _EAGER
+            return entry, self._warm_as_result(warm)
         del warm, captured
         if entry.failed is not None:
             stats.record_fallback(entry.reason, entry.failed)
             return entry, self._ran_eagerly(args, kwargs)
         return entry, self._replay(entry, leaves, batch, args, kwargs)
 
-    def _order_after_previous_call(self) -> None:
-        """Calls from different streams must not overlap on the static buffers and shared pool."""
-        raw = current_raw_stream()
-        if raw is not None and raw == self._last_raw_stream and self._last_stream is not None:
-            return  # the common case: the same stream as the previous call
-        stream = torch.cuda.current_stream()
-        last = self._last_stream
-        if last is not None and last != stream:
-            stream.wait_stream(last)
-        self._last_stream = stream
-        self._last_raw_stream = raw
+    def _after_failed_padded_run(self, entry: Bucket, key: tuple[int, tuple[Hashable, ...]],
+                                 error: Exception | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The model raised on the padded buffers: on the caller's own arguments, its own error is the answer.
 
-    def _padded_eager(self, entry: Bucket, leaves: list[Any], batch: int) -> Any:
-        """``simulate_padding`` without a GPU: the padded pipeline of a replay, the model run eagerly."""
+        If the caller's arguments run, the bucket runs eagerly from now on
+        (reason ``padded_run_failed``); if they raise too, the entry is
+        forgotten (a bad input, not a bad bucket) and that error propagates.
+        A stateful model is not run again: the buffers held exactly the
+        caller's batch, and a second run would write the state twice.
+        """
+        if self.stateful:
+            del self._entries[key]
+            assert error is not None
+            raise error
+        try:
+            out = self._ran_eagerly(args, kwargs)
+        except Exception:
+            self._entries.pop(key, None)
+            raise
+        logger.warning("gfxgraph: bucket %d runs eagerly from now on: the model raised on the padded inputs "
+                       "but not on the caller's own: %s", key[0], entry.failed)
+        entry.reason = "padded_run_failed"
+        stats.record_fallback(entry.reason, entry.failed or "")
+        return out
+
+    def _warm_as_result(self, warm: Any) -> Any:
+        """A first call's warm-up run returned as its result (eager-like: no graph output to slice)."""
+        record_on_current_stream(pytree.tree_leaves(warm))
+        if self.copy_outputs:  # it may alias the static input buffers
+            warm = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, warm)
+        self._last_eager = warm
+        return _EAGER
+
+    def _padded_eager(self, entry: Bucket, leaves: list[Any], batch: int, args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> Any:
+        """``simulate_padding`` without a GPU: the padded pipeline of a replay, the model run eagerly,
+        with the GPU path's rules for a model that raises on the padded inputs and for unknown outputs."""
         stats.record_fallback("no_gpu", probe().reason or "")
         assert self._inputs is not None
-        with torch.no_grad():
-            a, k = self._inputs.bucket_args(entry.size, leaves)
-            outputs = self.model_fn(*a, **k)
+        a, k = self._inputs.bucket_args(entry.size, leaves)
+        try:
+            with torch.no_grad():
+                outputs = self.model_fn(*a, **k)
+        except Exception as exc:
+            entry.failed = f"bucket {entry.size}: {type(exc).__name__}: {exc}"
+            return self._after_failed_padded_run(entry, (entry.size, entry.key), exc, args, kwargs)
         layout = self._output_layout(entry, outputs, leaves)
         if batch < entry.size and not layout.known:
-            raise RuntimeError("simulate_padding: which outputs carry the batch could not be learnt; pass "
-                               "batched_outputs=")
+            stats.record_fallback("unknown_outputs", UNKNOWN_OUTPUTS)
+            return self._ran_eagerly(args, kwargs)
         return layout.result(pytree.tree_leaves(outputs), batch, batch_dim=self.batch_dim,
                              copy=self.copy_outputs, cache=False)
 
@@ -487,7 +490,7 @@ class ShapeBucketPool:
                     entry.graph.reset()
             self._entries.clear()
             self._inputs, self._quick = None, None
-            self._last_stream, self._last_raw_stream = None, None
+            self._order.forget()
             self._capturer.forget_growth()
             self._out_flags.clear()
 

@@ -42,7 +42,7 @@ class BackendOptions:
         copy_outputs: return copies (True). False returns views of the graphs'
             static outputs, overwritten by the next call of this subgraph.
         pad_value: value of padding rows (0).
-        warmup_iters: runs before each capture (1).
+        warmup_iters: runs before each capture (1; at most 1 for a subgraph that writes state).
         compiler: ``"inductor"`` (default); ``"aot_eager"`` or ``"eager"`` (the
             traced graph as it is) for debugging or machines without a C++ compiler.
             Inductor on CPU falls back to ``"eager"`` by itself when no compiler is found.

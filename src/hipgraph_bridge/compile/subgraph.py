@@ -279,12 +279,14 @@ class CompiledSubgraph:
         for i, _j, _d in self._derived:
             template[i] = None
         o = self.opts
+        # a state-writing subgraph warms up at most once: that run is the call's own (the pool's rule)
+        warmup = min(o.warmup_iters, 1) if self._writes_state else o.warmup_iters
         # which outputs carry the batch comes from the FX graph: the pool's probe at another batch size
         # could lie outside what the frame's guards admit (dynamo specialises size 1)
         pool = ShapeBucketPool(self._runner(template), self.buckets,
                                batched_outputs=_leaf_flags(self.plan.batched_outputs), stateful=self._writes_state,
                                batch_dim=o.batch_dim, pad_value=o.pad_value, copy_outputs=o.copy_outputs,
-                               oversize="eager", warmup_iters=o.warmup_iters, vram_cap=o.vram_cap, progress=False,
+                               oversize="eager", warmup_iters=warmup, vram_cap=o.vram_cap, progress=False,
                                simulate_padding=o.simulate_padding)
         v = self._variants[key] = _Variant(pool, owned)
         return v

@@ -153,7 +153,7 @@ class GraphCompositor:
     Workflow:
 
     1. :meth:`add` captured graphs (``torch.cuda.CUDAGraph(keep_graph=True)``,
-       ``BridgedCUDAGraph(keep_graph=True)`` or runtime :class:`Graph`), or
+       ``SafeCUDAGraph(keep_graph=True)`` or runtime :class:`Graph`), or
        capture them in place with :meth:`stage`; ``after`` names the children
        each one runs after.
     2. :meth:`instantiate`: checks the DAG (unknown names, cycles), builds the
@@ -298,7 +298,7 @@ class GraphCompositor:
               capture_error_mode: str = "thread_local") -> Iterator[StageCapture]:
         """Capture the body as child ``name``, running after the children in ``after``.
 
-        The body is captured into a ``BridgedCUDAGraph(keep_graph=True)`` on
+        The body is captured into a ``SafeCUDAGraph(keep_graph=True)`` on
         ``stream`` (default: a side stream), so a failed capture is ended
         cleanly and raised. Warm the body's ops up first, as for
         ``torch.cuda.graph``. ``after`` must name children that already exist.

@@ -108,7 +108,7 @@ class Recapture:
     """Handle yielded by :meth:`UpdatableGraph.recapture`; ``result`` is set on exit."""
 
     def __init__(self, graph: Any) -> None:
-        self.graph = graph  # the BridgedCUDAGraph being captured
+        self.graph = graph  # the SafeCUDAGraph being captured
         self.result: UpdateResult | None = None
 
 
@@ -118,7 +118,7 @@ class UpdatableGraph:
     Workflow:
 
     1. Capture a ``torch.cuda.CUDAGraph(keep_graph=True)`` (or
-       ``BridgedCUDAGraph(keep_graph=True)``) and pass it in; it is instantiated once.
+       ``SafeCUDAGraph(keep_graph=True)``) and pass it in; it is instantiated once.
     2. :meth:`launch` on any stream.
     3. Capture the work again (same topology: same ops in the same order,
        possibly other tensors or scalars), either yourself followed by

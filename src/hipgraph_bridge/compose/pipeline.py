@@ -45,7 +45,7 @@ class LaunchPipeline:
 
     Args:
         graph: a ``torch.cuda.CUDAGraph(keep_graph=True)`` (captured), a
-            ``BridgedCUDAGraph(keep_graph=True)`` or a runtime :class:`Graph`.
+            ``SafeCUDAGraph(keep_graph=True)`` or a runtime :class:`Graph`.
         stream: the launch stream (torch stream or raw int); default: the
             current stream when the pipeline is created.
         instances: executable instances launched in turn (>= 1; 2 is double buffering).

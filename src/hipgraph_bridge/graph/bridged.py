@@ -6,7 +6,7 @@ method and argument of the installed PyTorch is there. Its captures go
 through :class:`~.capture.GraphCapture`, which adds:
 
 * Every failure path of a capture ends the stream capture, gives back the
-  capture's memory-pool reference and synchronises the device *before* the
+  capture's memory-pool reference and synchronises the capture stream *before* the
   graph is released, then raises; the next capture works.
 * A capture whose region raised (inside ``torch.cuda.graph``) is discarded
   instead of kept as a partial graph, so a later ``replay()`` raises rather

@@ -11,12 +11,12 @@ failure path, and the capture statistics. Its states::
 
 Use it as a context manager (a region that raises is discarded and its
 exception propagates) or call :meth:`begin`/:meth:`end` yourself (what
-``BridgedCUDAGraph.capture_begin``/``capture_end`` do). The failure path
+``SafeCUDAGraph.capture_begin``/``capture_end`` do). The failure path
 (:meth:`discard`) never raises and runs, in this order:
 
 1. take the stream out of capture mode without instantiating the partial graph;
 2. give back the pool reference the allocator took at begin;
-3. synchronise the device (skipped while another capture is live);
+3. synchronise the capture stream (a stream sync, skipped while another capture is live);
 4. reset the graph object (the partial graph is dropped, or leaked when unsafe);
 5. re-arm the RNG generators (their capture epilogue never ran);
 6. count the failure, log it.
@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import gc
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -145,6 +146,7 @@ class GraphCapture:
         self._t0 = 0.0
         self._open = False  # the runtime capture is open (begun, not yet ended by PyTorch)
         self._unsafe = False
+        self._liveness_active = False  # the liveness mode is entered (exited once: end() then discard())
         self._contexts: contextlib.ExitStack | None = None
 
     # ------------------------------------------------------------------ begin / end
@@ -188,6 +190,7 @@ class GraphCapture:
             raise add_hint(exc, _begin_hint(exc, self.pool)) from None
         if self.liveness is not None:
             self.liveness.__enter__()
+            self._liveness_active = True
 
     def end(self) -> None:
         """End the capture: the graph holds it from now on.
@@ -225,7 +228,8 @@ class GraphCapture:
         stats.record_capture(self.seconds)
 
     def _stop_liveness(self) -> None:
-        if self.liveness is not None and self._open:
+        if self.liveness is not None and self._liveness_active:
+            self._liveness_active = False
             try:
                 self.liveness.__exit__(None, None, None)
             except Exception as exc:  # the mode stack was disturbed by the region: keep ending the capture
@@ -263,7 +267,7 @@ class GraphCapture:
                 except BaseException as exc:
                     logger.debug("gfxgraph: reset after failed capture raised: %s", exc)
             if was_open:
-                rearm_generators(self, self.generators)
+                rearm_generators(self, self.generators, device=self._device)
         finally:
             self._open = False
             if stream is not None:
@@ -323,6 +327,11 @@ class GraphCapture:
         return f"GraphCapture(state={self.state.value}, mode={self.mode}{extra})"
 
 
+_gc_lock = threading.Lock()
+_gc_depth = 0
+_gc_restore = (True, False)  # (was the collector enabled, did frozen_gc freeze) at the outermost entry
+
+
 @contextlib.contextmanager
 def frozen_gc() -> Iterator[None]:
     """Keep the garbage collector from running during a capture.
@@ -330,16 +339,29 @@ def frozen_gc() -> Iterator[None]:
     A collection in the middle of a capture walks every Python object (slow
     with a large model) and can run finalisers that touch CUDA; existing
     objects are moved to the permanent generation so later collections skip them.
+    Nested and concurrent uses (captures in several threads) share one
+    freeze, undone when the last ends; objects the process froze itself
+    (``gc.freeze()`` before forking workers) stay frozen.
     """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    gc.freeze()
+    global _gc_depth, _gc_restore
+    with _gc_lock:
+        if _gc_depth == 0:
+            _gc_restore = (gc.isenabled(), gc.get_freeze_count() == 0)
+            gc.disable()
+            if _gc_restore[1]:
+                gc.freeze()
+        _gc_depth += 1
     try:
         yield
     finally:
-        gc.unfreeze()
-        if was_enabled:
-            gc.enable()
+        with _gc_lock:
+            _gc_depth -= 1
+            if _gc_depth == 0:
+                was_enabled, froze = _gc_restore
+                if froze:
+                    gc.unfreeze()
+                if was_enabled:
+                    gc.enable()
 
 
 def side_stream(stream: torch.cuda.Stream | None = None) -> torch.cuda.Stream:
@@ -363,11 +385,13 @@ def warm_up(fn: Callable[[], Any], stream: torch.cuda.Stream, iters: int) -> Any
     if iters <= 0:
         return out
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(iters):
-            out = None  # free the previous run's outputs before the next
-            out = fn()
-    torch.cuda.current_stream().wait_stream(stream)
+    try:
+        with torch.cuda.stream(stream):
+            for _ in range(iters):
+                out = None  # free the previous run's outputs before the next
+                out = fn()
+    finally:  # also after a failed run: what ran on ``stream`` is ordered before the caller's next work
+        torch.cuda.current_stream().wait_stream(stream)
     stream.synchronize()
     return out
 

@@ -69,14 +69,14 @@ def synchronize_quietly(owner: object, stream: torch.cuda.Stream) -> None:
         logger.log(logging.WARNING, "gfxgraph: stream sync after failed capture raised: %s", exc)
 
 
-def rearm_generators(owner: object, generators: Iterable[torch.Generator]) -> None:
+def rearm_generators(owner: object, generators: Iterable[torch.Generator], *, device: int | None = None) -> None:
     """Take RNG generators out of capture mode after a capture that never ended.
 
     PyTorch's generators enter capture mode at ``capture_begin`` and leave it only
     in a successful ``capture_end``; after a failed one every later random op
     raises "Offset increment outside graph capture encountered unexpectedly".
     A tiny capture that ends successfully, with the same generators registered
-    (the device's default one always is), runs the missing epilogue.
+    (the default one of ``device``, the capture's, always is), runs the missing epilogue.
     Skipped while another capture is live: its generator offsets would be reset.
     """
     if captures_live(excluding=owner):
@@ -84,17 +84,18 @@ def rearm_generators(owner: object, generators: Iterable[torch.Generator]) -> No
                        "live; random ops may fail until it ends")
         return
     try:
-        scratch = torch.zeros(1, device="cuda")
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        g = OriginalCUDAGraph()
-        for gen in generators:
-            g.register_generator_state(gen)
-        with torch.cuda.stream(stream):
-            g.capture_begin(capture_error_mode="thread_local")  # never disturbs other threads' work
-            scratch.add_(1)
-            g.capture_end()
-        torch.cuda.current_stream().wait_stream(stream)
-        g.reset()
+        with torch.cuda.device(torch.cuda.current_device() if device is None else device):
+            scratch = torch.zeros(1, device="cuda")
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            g = OriginalCUDAGraph()
+            for gen in generators:
+                g.register_generator_state(gen)
+            with torch.cuda.stream(stream):
+                g.capture_begin(capture_error_mode="thread_local")  # never disturbs other threads' work
+                scratch.add_(1)
+                g.capture_end()
+            torch.cuda.current_stream().wait_stream(stream)
+            g.reset()
     except Exception as exc:
         logger.warning("gfxgraph: could not re-arm RNG generators after a failed capture: %s", exc)

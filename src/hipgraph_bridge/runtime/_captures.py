@@ -1,10 +1,11 @@
 """The captures this process has live, by stream: what the runtime layer must not disturb.
 
-Capture objects register here while they capture. Two things read it: a new
-capture refuses a stream that is already capturing (before the runtime would
-invalidate the outer capture), and the release path defers destroying runtime
-handles while any capture is live (in global capture mode such calls
-invalidate it). Entries are weak, so an owner dropped mid-capture is still
+Capture objects register here while they capture. Three things read it: a
+new capture refuses a stream that is already capturing (before the runtime
+would invalidate the outer capture); the release path defers destroying
+runtime handles while any capture is live (in global capture mode such calls
+invalidate it); and the failure path skips its stream sync and RNG re-arm
+while another capture is live. Entries are weak, so an owner dropped mid-capture is still
 finalised (and its finaliser ends the capture).
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 
 __all__ = ["register_capture", "unregister_capture", "capture_owner", "captures_live"]
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # reentrant: a graph's finaliser unregisters, and may run while it is held
 _live: dict[int, weakref.ref[Any]] = {}  # raw stream handle -> capturing object
 
 
