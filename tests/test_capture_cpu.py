@@ -9,6 +9,7 @@ from hipgraph_bridge.graph.capture import frozen_gc
 
 
 def test_frozen_gc_restores_the_collector():
+    gc.unfreeze()  # some interpreters start with frozen objects
     assert gc.isenabled()
     with frozen_gc():
         assert not gc.isenabled() and gc.get_freeze_count() > 0
@@ -36,14 +37,26 @@ def test_nested_and_concurrent_uses_share_one_freeze():
     assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
-def test_a_freeze_the_process_made_itself_stays():
-    gc.freeze()  # what a server does before forking workers
+def test_objects_made_before_are_out_of_reach_of_an_explicit_collection():
+    freed = []
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+
+        def __del__(self) -> None:
+            freed.append(1)  # a finaliser that would touch CUDA under a real capture
+
+    gc.disable()
     try:
+        Cycle()
         with frozen_gc():
-            assert not gc.isenabled()
-        assert gc.get_freeze_count() > 0 and gc.isenabled()  # not unfrozen
+            gc.collect()  # what a library's own collection inside the region does
+            assert not freed
+        gc.collect()
+        assert freed == [1]
     finally:
-        gc.unfreeze()
+        gc.enable()
 
 
 def test_a_disabled_collector_stays_disabled():

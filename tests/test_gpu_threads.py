@@ -14,9 +14,13 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch._dynamo  # before register(): it registers only with dynamo loaded
 
 import gfxgraph
 from gfxgraph import ShapeBucketPool
+from hipgraph_bridge.compile import register
+
+register()  # also when the tests run from a checkout that is not installed (no entry points)
 
 pytestmark = pytest.mark.gpu
 

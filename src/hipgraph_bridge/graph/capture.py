@@ -329,7 +329,7 @@ class GraphCapture:
 
 _gc_lock = threading.Lock()
 _gc_depth = 0
-_gc_restore = (True, False)  # (was the collector enabled, did frozen_gc freeze) at the outermost entry
+_gc_was_enabled = True  # the collector's state at the outermost entry
 
 
 @contextlib.contextmanager
@@ -337,19 +337,20 @@ def frozen_gc() -> Iterator[None]:
     """Keep the garbage collector from running during a capture.
 
     A collection in the middle of a capture walks every Python object (slow
-    with a large model) and can run finalisers that touch CUDA; existing
-    objects are moved to the permanent generation so later collections skip them.
-    Nested and concurrent uses (captures in several threads) share one
-    freeze, undone when the last ends; objects the process froze itself
-    (``gc.freeze()`` before forking workers) stay frozen.
+    with a large model) and can run finalisers that touch CUDA, invalidating
+    the capture; existing objects are moved to the permanent generation so even
+    an explicit ``gc.collect()`` skips them. Nested and concurrent uses
+    (captures in several threads) share one freeze, undone when the last ends.
+    The end unfreezes every object, as the serving stacks' capture loops do, so
+    a freeze the process made itself earlier is undone too (some interpreters
+    start with frozen objects, so an earlier freeze cannot be told apart).
     """
-    global _gc_depth, _gc_restore
+    global _gc_depth, _gc_was_enabled
     with _gc_lock:
         if _gc_depth == 0:
-            _gc_restore = (gc.isenabled(), gc.get_freeze_count() == 0)
+            _gc_was_enabled = gc.isenabled()
             gc.disable()
-            if _gc_restore[1]:
-                gc.freeze()
+            gc.freeze()
         _gc_depth += 1
     try:
         yield
@@ -357,10 +358,8 @@ def frozen_gc() -> Iterator[None]:
         with _gc_lock:
             _gc_depth -= 1
             if _gc_depth == 0:
-                was_enabled, froze = _gc_restore
-                if froze:
-                    gc.unfreeze()
-                if was_enabled:
+                gc.unfreeze()
+                if _gc_was_enabled:
                     gc.enable()
 
 
