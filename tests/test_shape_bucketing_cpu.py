@@ -341,7 +341,8 @@ def test_a_model_that_raises_only_on_the_padded_inputs_runs_that_bucket_eagerly(
     torch.testing.assert_close(pool(torch.zeros(6, 2)), torch.ones(6, 2))
     assert seen == [8, 5, 6]  # the failed bucket runs eagerly without trying the padded run again
     reasons = gfxgraph.stats()["fallback_reasons"]
-    assert reasons["padded_run_failed"] == 2 and "capture_failed" not in reasons
+    assert reasons["padded_run_failed"] == 2 and "capture_failed" not in reasons and "no_gpu" not in reasons
+    assert gfxgraph.stats()["fallback_count"] == 2  # one reason per call
     assert pool._last_eager is None  # an eager result is not kept alive by the pool
 
 

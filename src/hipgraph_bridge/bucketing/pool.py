@@ -338,7 +338,6 @@ class ShapeBucketPool:
                       kwargs: dict[str, Any]) -> Any:
         """``simulate_padding`` without a GPU: the padded pipeline of a replay, the model run eagerly,
         with the GPU path's rules for a model that raises on the padded inputs and for unknown outputs."""
-        stats.record_fallback("no_gpu", probe().reason or "")
         assert self._inputs is not None
         a, k = self._inputs.bucket_args(entry.size, leaves)
         try:
@@ -351,6 +350,7 @@ class ShapeBucketPool:
         if batch < entry.size and not layout.known:
             stats.record_fallback("unknown_outputs", UNKNOWN_OUTPUTS)
             return self._ran_eagerly(args, kwargs)
+        stats.record_fallback("no_gpu", probe().reason or "")  # one reason per call
         return layout.result(pytree.tree_leaves(outputs), batch, batch_dim=self.batch_dim,
                              copy=self.copy_outputs, cache=False)
 
