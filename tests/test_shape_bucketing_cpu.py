@@ -281,6 +281,20 @@ def test_the_first_padded_call_of_a_row_coupled_model_is_caught():
 
 
 @cpu_only
+def test_the_padding_check_runs_once_per_bucket():
+    rows = []
+
+    def model(x):
+        rows.append(x.shape[0])
+        return x * 2
+
+    pool = ShapeBucketPool(model, [8], simulate_padding=True)
+    for _ in range(3):
+        torch.testing.assert_close(pool(torch.ones(5, 2)), torch.full((5, 2), 2.0))
+    assert rows.count(5) == 1 and rows.count(8) == 3  # one eager comparison; every call padded to 8
+
+
+@cpu_only
 def test_a_stateful_model_is_never_padded():
     steps = []
 

@@ -40,31 +40,38 @@ def test_replay_counts_from_tracked_counters_survive_release():
     assert gfxgraph.stats()["replay_count"] == 1
 
 
-def test_replay_counter_is_exact_under_concurrent_ticks_and_reads():
-    c = core.ReplayCounter()
-    core.track_replays(c)
-    n_threads, per_thread = 8, 20000
+def _race(work, read, *, n_threads: int = 8) -> list[int]:
+    """Run ``work`` in ``n_threads`` threads while another thread keeps calling ``read``; its values."""
     stop = threading.Event()
     seen: list[int] = []
 
     def reader() -> None:
         while not stop.is_set():
-            seen.append(gfxgraph.stats()["replay_count"])
-
-    def ticker() -> None:
-        for _ in range(per_thread):
-            c.tick()
+            seen.append(read())
 
     r = threading.Thread(target=reader)
     r.start()
-    ts = [threading.Thread(target=ticker) for _ in range(n_threads)]
+    ts = [threading.Thread(target=work) for _ in range(n_threads)]
     for t in ts:
         t.start()
     for t in ts:
         t.join()
     stop.set()
     r.join()
-    assert gfxgraph.stats()["replay_count"] == n_threads * per_thread
+    return seen
+
+
+def test_replay_counter_is_exact_under_concurrent_ticks_and_reads():
+    c = core.ReplayCounter()
+    core.track_replays(c)
+    per_thread = 20000
+
+    def ticker() -> None:
+        for _ in range(per_thread):
+            c.tick()
+
+    seen = _race(ticker, lambda: gfxgraph.stats()["replay_count"])
+    assert gfxgraph.stats()["replay_count"] == 8 * per_thread
     assert seen == sorted(seen)
 
 
@@ -106,31 +113,17 @@ def test_reset_zeroes_everything_and_relogs(caplog):
 
 
 def test_concurrent_recording_and_snapshots_are_exact():
-    n_threads, per_thread = 8, 20000
-    stop = threading.Event()
-    seen_counts: list[int] = []
-
-    def reader() -> None:
-        while not stop.is_set():
-            seen_counts.append(gfxgraph.stats()["replay_samples"])
+    per_thread = 20000
 
     def writer() -> None:
         for _ in range(per_thread):
             core.record_replay_ns(1000)
         core.record_fallback("thread", "")
 
-    r = threading.Thread(target=reader)
-    r.start()
-    ws = [threading.Thread(target=writer) for _ in range(n_threads)]
-    for w in ws:
-        w.start()
-    for w in ws:
-        w.join()
-    stop.set()
-    r.join()
+    seen_counts = _race(writer, lambda: gfxgraph.stats()["replay_samples"])
     snap = gfxgraph.stats()
-    assert snap["replay_samples"] == n_threads * per_thread
-    assert snap["fallback_reasons"]["thread"] == n_threads
+    assert snap["replay_samples"] == 8 * per_thread
+    assert snap["fallback_reasons"]["thread"] == 8
     assert seen_counts == sorted(seen_counts)  # monotone while recording
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from .graph.bridged import SafeCUDAGraph
+from .graph.capture import warm_up
 from .platform import probe
 from .runtime import current_runtime
 
@@ -28,10 +29,7 @@ def _graph_round_trip() -> dict[str, Any]:
     x = torch.zeros(1024, device="cuda")
     g = SafeCUDAGraph()
     stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up off the default stream, as capture needs
-        y = x * 2 + 1
-    torch.cuda.current_stream().wait_stream(stream)
+    warm_up(lambda: x * 2 + 1, stream, 1)  # off the default stream, as capture needs
     t0 = time.perf_counter()
     # not torch.cuda.graph: its device-wide sync would break a capture running in another thread
     with g.capturing(stream=stream, capture_error_mode="thread_local"):

@@ -11,6 +11,7 @@ import torch
 from .._torch_compat import pytree
 from ..graph.bridged import SafeCUDAGraph
 from ..graph.capture import record_on_current_stream
+from ..tree import copy_into
 from .outputs import OutputLayout, same_kinds
 
 __all__ = ["Bucket", "MISSING"]
@@ -29,6 +30,7 @@ class Bucket:
     layout: OutputLayout | None = None
     reason: str = ""  # fallback reason key when this bucket runs eagerly ("vram_cap", ...)
     failed: str | None = None  # the explanation when this bucket runs eagerly
+    padding_checked: bool = False  # a padded result was compared with eager (see .padding)
 
     def warm_result(self, warm: Any, batch: int, *, batch_dim: int, copy: bool) -> Any:
         """A bucket's first call returns its last warm-up run, as a replay would return it.
@@ -52,7 +54,5 @@ class Bucket:
             return MISSING
         if static is None or copy:  # copied: the warm-up may alias the static input buffers
             return layout.result(first, batch, batch_dim=batch_dim, copy=copy, cache=False)
-        for dst, src in zip(static, first):
-            if isinstance(dst, torch.Tensor):
-                dst.copy_(src)
+        copy_into(static, first)
         return layout.result(static, batch, batch_dim=batch_dim, copy=False, cache=True)

@@ -27,6 +27,7 @@ from typing import Any
 from .. import config, stats
 from ..log import log_once
 from ..validation import checked_against_eager, padding_changed
+from .entry import Bucket
 
 __all__ = ["PaddingGuard", "UNKNOWN_OUTPUTS"]
 
@@ -40,7 +41,6 @@ class PaddingGuard:
     def __init__(self, *, stateful: bool) -> None:
         self.stateful = stateful
         self.row_coupled: dict[tuple[Hashable, ...], str] = {}  # constants key -> what the check saw
-        self._checked: set[tuple[int, tuple[Hashable, ...]]] = set()
 
     def refusal(self, consts: tuple[Hashable, ...], *, outputs_known: bool) -> tuple[str, str] | None:
         """Why a padded call with these constants must run eagerly (None: it may be padded)."""
@@ -54,9 +54,8 @@ class PaddingGuard:
             return "unknown_outputs", UNKNOWN_OUTPUTS
         return None
 
-    def answer(self, key: tuple[int, tuple[Hashable, ...]], batch: int, out: Any, eager: Callable[[], Any], *,
-               owner: object) -> Any:
-        """What a call returns for ``out``, its bucket's result sliced to ``batch`` rows.
+    def answer(self, entry: Bucket, batch: int, out: Any, eager: Callable[[], Any], *, owner: object) -> Any:
+        """What a call returns for ``out``, ``entry``'s result sliced to ``batch`` rows.
 
         A bucket's first padded result is compared with ``eager()`` (:meth:`check`);
         in validation mode every result is (dtype-aware tolerances, counted,
@@ -64,19 +63,17 @@ class PaddingGuard:
         be run twice.
         """
         validate = config.switches.validate and not self.stateful
-        first_padded = batch < key[0] and not self.stateful and key not in self._checked
+        first_padded = batch < entry.size and not self.stateful and not entry.padding_checked
         if not (validate or first_padded):
             return out
-        reference = None
-        if first_padded:
-            out, reference = self.check(key, batch, out, eager)
-        if validate:
-            return checked_against_eager(out, reference if reference is not None else eager(), owner=owner,
-                                         what="ShapeBucketPool")
+        if not first_padded:
+            return checked_against_eager(out, eager(), owner=owner, what="ShapeBucketPool")
+        out, reference = self.check(entry, batch, out, eager)
+        if validate:  # the check's eager run is the reference: the model is not run a third time
+            return checked_against_eager(out, reference, owner=owner, what="ShapeBucketPool")
         return out
 
-    def check(self, key: tuple[int, tuple[Hashable, ...]], batch: int, padded_out: Any,
-              eager: Callable[[], Any]) -> tuple[Any, Any]:
+    def check(self, entry: Bucket, batch: int, padded_out: Any, eager: Callable[[], Any]) -> tuple[Any, Any]:
         """Compare a bucket's first padded result with ``eager()``; returns (result, the eager result).
 
         The result is ``padded_out`` when they agree, else the eager one (and
@@ -84,13 +81,12 @@ class PaddingGuard:
         """
         reference = eager()
         why = padding_changed(padded_out, reference)
-        self._checked.add(key)  # only once it is decided: a check that raised is tried again
+        entry.padding_checked = True  # only once it is decided: a check that raised is tried again
         if not why:
             return padded_out, reference
-        bucket, consts = key
-        detail = (f"batch {batch} padded to {bucket}: {why}; rows depend on each other (a reduction over the "
+        detail = (f"batch {batch} padded to {entry.size}: {why}; rows depend on each other (a reduction over the "
                   "batch?) or the model is random, so padded calls run eagerly from now on")
-        self.row_coupled[consts] = detail
+        self.row_coupled[entry.key] = detail
         log_once(("padding_changes_results", id(self)), logging.WARNING, "gfxgraph: ShapeBucketPool: %s", detail)
         stats.record_fallback("padding_changes_results", detail)
         return reference, reference

@@ -52,6 +52,7 @@ from ..graph.capture import check_capture_mode, frozen_gc, record_on_current_str
 from ..graph.weak_outputs import release_outputs
 from ..log import logger
 from ..platform import probe
+from ..tree import clone_tree
 from .buckets import BucketTable, default_buckets, validate_buckets
 from .buffers import StaticInputs
 from .capture import BucketCapturer, Captured
@@ -145,6 +146,7 @@ class ShapeBucketPool:
         self.stateful = stateful
         self.simulate_padding = simulate_padding
         self._padding = PaddingGuard(stateful=stateful)
+        self._classify = functools.partial(classify, batch_dim=batch_dim, static_args=self.static_args)
         self._table = BucketTable(self.buckets)
         self.vram_cap = read_vram_cap() if vram_cap is None else check_vram_cap(vram_cap)
         self.capture_error_mode = check_capture_mode(capture_error_mode)
@@ -175,6 +177,7 @@ class ShapeBucketPool:
         """
         quick = self._quick
         matched = quick.match(args) if quick is not None and not kwargs else None
+        classified = None if matched is not None else self._classify(args, kwargs)  # outside the lock
         with self._lock:
             if matched is not None and self._quick is quick:
                 leaves, batch = matched
@@ -182,7 +185,7 @@ class ShapeBucketPool:
                 assert inputs is not None  # a quick plan exists only with fixed inputs
                 return self._call(inputs, leaves, batch, args, kwargs)
             # the first call, another layout, inputs that require grad, or the pool was closed meanwhile
-            leaves, layout, batch = classify(args, kwargs, batch_dim=self.batch_dim, static_args=self.static_args)
+            leaves, layout, batch = classified or self._classify(args, kwargs)
             if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
                 return self._with_grad(args, kwargs)
             first = self._inputs is None
@@ -224,10 +227,9 @@ class ShapeBucketPool:
         if out is _EAGER:
             out, self._last_eager = self._last_eager, None  # not kept alive until the next eager call
             return out
-        if batch == entry.size and not config.switches.validate:
+        if (batch == entry.size or entry.padding_checked) and not config.switches.validate:
             return out  # the hot path: nothing to check
-        return self._padding.answer((entry.size, entry.key), batch, out, lambda: self._eager(args, kwargs),
-                                    owner=self)
+        return self._padding.answer(entry, batch, out, lambda: self._eager(args, kwargs), owner=self)
 
     def _replay(self, entry: Bucket, leaves: list[Any], batch: int, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> Any:
@@ -330,7 +332,7 @@ class ShapeBucketPool:
         """A first call's warm-up run returned as its result (eager-like: no graph output to slice)."""
         record_on_current_stream(pytree.tree_leaves(warm))
         if self.copy_outputs:  # it may alias the static input buffers
-            warm = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, warm)
+            warm = clone_tree(warm)
         self._last_eager = warm
         return _EAGER
 
@@ -407,8 +409,7 @@ class ShapeBucketPool:
         garbage collector stays frozen for the whole run. Logs and returns the
         time and graph-pool memory it took. Buckets that fail run eagerly later.
         """
-        leaves, layout, batch = classify(example_args, example_kwargs, batch_dim=self.batch_dim,
-                                         static_args=self.static_args)
+        leaves, layout, batch = self._classify(example_args, example_kwargs)
         with self._lock:
             inputs = self._fixed_inputs(leaves, layout)
             inputs.fill_example(leaves, batch)

@@ -51,7 +51,7 @@ import torch
 from .. import stats
 from ..checks import check_int
 from ..graph.bridged import SafeCUDAGraph
-from ..graph.capture import frozen_gc
+from ..graph.capture import frozen_gc, warm_up
 from ..log import logger
 from ..tree import describe
 from .kernels import COMPARE_OPS, dtype_kind
@@ -216,12 +216,8 @@ class DeviceWhileLoop:
         streams = [outer] if self._strategy == "host" else [outer, body]
         try:
             for s in streams:  # per-stream state (cuBLAS workspaces) is set up outside the capture
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.no_grad(), torch.cuda.stream(s):
-                    for _ in range(self.warmup_iters):
-                        self._cond_tensor()
-                        self._apply_body()
-                torch.cuda.current_stream().wait_stream(s)
+                with torch.no_grad():
+                    warm_up(lambda: (self._cond_tensor(), self._apply_body()), s, self.warmup_iters)
         finally:  # the warm-up ran the body on the real state: put the caller's values back
             for s in streams:  # stream syncs: a device-wide one would break other threads' captures
                 s.synchronize()

@@ -277,7 +277,7 @@ class GraphCapture:
             logger.warning("gfxgraph: graph capture discarded: %s", reason)
 
     def _close_runtime_capture(self, stream: torch.cuda.Stream, target: Any) -> None:
-        if not stream_is_capturing(stream) or end_stream_capture(stream, destroy=not self._unsafe):
+        if end_stream_capture(stream, destroy=not self._unsafe):  # also True when it was not capturing
             return
         # No runtime binding: PyTorch's capture_end ends it (and instantiates the partial graph).
         if target is not None and not self._unsafe:
