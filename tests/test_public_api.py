@@ -18,7 +18,7 @@ GFXGRAPH_NAMES = """
 enable disable is_enabled stats reset_stats health_check BridgedCUDAGraph ShapeBucketPool default_buckets
 gfxgraph_backend BackendOptions backend_stats compiled_subgraphs ConditionalGraph DeviceWhileLoop LoopCondition
 conditional_select GraphCompositor LaunchPipeline UpdatableGraph SwapResult UpdateResult GraphState ConfigError
-GraphCaptureError GraphRuntimeError GraphsUnavailableError __version__
+GraphCaptureError GraphRuntimeError GraphsUnavailableError StaleOutputError __version__
 """.split()
 
 HIPGRAPH_BRIDGE_NAMES = """

@@ -29,6 +29,7 @@ from hipgraph_bridge import (
     GraphCaptureError,
     GraphRuntimeError,
     GraphsUnavailableError,
+    StaleOutputError,
     GraphState,
     ShapeBucketPool,
     __version__,
@@ -69,6 +70,7 @@ __all__ = [
     "GraphCaptureError",
     "GraphRuntimeError",
     "GraphsUnavailableError",
+    "StaleOutputError",
     "__version__",
 ]
 

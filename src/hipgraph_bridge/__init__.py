@@ -31,7 +31,7 @@ from .conditional import (
     conditional_select,
     conditional_support,
 )
-from .errors import ConfigError, GraphCaptureError, GraphRuntimeError, GraphsUnavailableError
+from .errors import ConfigError, GraphCaptureError, GraphRuntimeError, GraphsUnavailableError, StaleOutputError
 from .graph import GraphCapture, GraphState, OriginalCUDAGraph, SafeCUDAGraph, graph_pool_bytes
 from .health import health_check
 from .platform import Platform, probe
@@ -48,6 +48,7 @@ __all__ = [
     "GraphState",
     "ConfigError",
     "GraphCaptureError",
+    "StaleOutputError",
     "GraphRuntimeError",
     "GraphsUnavailableError",
     "ShapeBucketPool",

@@ -26,6 +26,8 @@ region raised in               reads ``args`` of ``torch.cuda.graph``'s    same
                                without the exception)
 symbolic sizes                 ``SymInt.node.expr``/``hint``,              same
                                ``shape_env.bound_sympy``
+debug-mode output views        ``torch._C.DisableTorchFunctionSubclass``   same
+                               (a subclass's ops on plain tensors)
 dynamo / inductor              ``compile_fx``, ``list_mode_options``,      same
                                ``get_static_address_type``, the backend
                                registry, ``TracingContext.fw_metadata``
@@ -74,6 +76,7 @@ __all__ = [
     "lookup_backend",
     "is_dynamo_signal",
     "describe",
+    "plain_torch_function",
 ]
 
 # Taken at first import, before gfxgraph.enable() can swap torch.cuda.CUDAGraph.
@@ -153,6 +156,12 @@ def non_owning_view(t: torch.Tensor) -> torch.Tensor:
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _get_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def plain_torch_function() -> Any:
+    """A context in which a tensor subclass's ``__torch_function__`` runs ops as on plain tensors
+    (their results are plain tensors, not the subclass)."""
+    return torch._C.DisableTorchFunctionSubclass()
 
 
 def current_raw_stream() -> int | None:

@@ -9,7 +9,7 @@ catching them; :class:`ConfigError` is a ``ValueError`` (a bad value).
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "GraphsUnavailableError", "GraphCaptureError", "GraphRuntimeError"]
+__all__ = ["ConfigError", "GraphsUnavailableError", "GraphCaptureError", "GraphRuntimeError", "StaleOutputError"]
 
 
 class ConfigError(ValueError):
@@ -41,3 +41,7 @@ class GraphRuntimeError(RuntimeError):
         self.code = code
         self.explanation = explanation
         super().__init__(f"{call}: {name} ({code}): {explanation}")
+
+
+class StaleOutputError(RuntimeError):
+    """A graph's output view was used after a later call overwrote it (caught in debug mode only)."""

@@ -2,8 +2,13 @@
 
 Batched tensors get one buffer with the largest bucket's rows in
 ``batch_dim``; bucket ``b`` reads the view of its first ``b`` rows. A call of
-``B`` rows copies its tensors into rows ``[0, B)`` and fills rows ``[B, b)``
-with ``pad_value``. Static tensors get a buffer of their own shape.
+``B`` rows copies its tensors into rows ``[0, B)``. Rows ``[B, b)`` (the
+padding) start as ``pad_value`` and then hold whatever earlier, larger calls
+left there: refilling them costs a kernel launch per buffer and call, and a
+model whose rows do not interact cannot tell. Whether a model's rows interact
+is checked with :data:`PAD_ROWS` staging (see :mod:`.padding`); a model that
+needs clean padding gets :data:`PAD_FILL` on every call. Static tensors get a
+buffer of their own shape.
 """
 
 from __future__ import annotations
@@ -15,14 +20,20 @@ import torch
 from .buckets import BucketTable
 from .layout import BATCHED, STATIC, CallLayout
 
-__all__ = ["StaticInputs"]
+__all__ = ["StaticInputs", "PAD_KEEP", "PAD_FILL", "PAD_ROWS"]
+
+# What a call's staging does with its bucket's padding rows:
+PAD_KEEP = 0  # leave them as earlier calls left them (the hot path: no kernel)
+PAD_FILL = 1  # fill them with pad_value
+PAD_ROWS = 2  # fill them with copies of the call's own rows: the padding check's worst case
 
 
 class StaticInputs:
     """Static buffers for one fixed call layout (see the module docstring).
 
-    Cost per call (:meth:`stage`): one copy per tensor argument and one fill
-    per padded buffer; the views used are cached per batch size.
+    Cost per call (:meth:`stage`): one copy per tensor argument (none for a
+    tensor that already is the buffer's view, as with :meth:`views`), plus one
+    fill per padded buffer with :data:`PAD_FILL`; the views are cached per batch size.
     """
 
     def __init__(self, layout: CallLayout, leaves: list[Any], table: BucketTable, *, batch_dim: int,
@@ -60,15 +71,30 @@ class StaticInputs:
             self._plans[batch] = plan
         return plan
 
-    def stage(self, leaves: list[Any], batch: int) -> None:
-        """Copy a call's tensors in and pad its bucket's rows beyond ``batch``."""
-        pad_value = self.pad_value
-        for dst, i, pad in self._plan(batch):
+    def stage(self, leaves: list[Any], batch: int, pad: int = PAD_KEEP) -> None:
+        """Copy a call's tensors in; ``pad`` says what the bucket's rows beyond ``batch`` get."""
+        for dst, i, rows in self._plan(batch):
             src = leaves[i]
             if src is not dst:
                 dst.copy_(src)
-            if pad is not None and pad_value is not None:
-                pad.fill_(pad_value)
+            if rows is None or pad == PAD_KEEP:
+                continue
+            if pad == PAD_FILL and self.pad_value is not None:
+                rows.fill_(self.pad_value)
+            elif pad == PAD_ROWS:
+                bd, n = self.batch_dim, rows.shape[self.batch_dim]
+                rows.copy_(dst.index_select(bd, torch.arange(n, device=dst.device) % batch))
+
+    def views(self, batch: int) -> list[Any]:
+        """Per leaf, the buffer view a call of ``batch`` rows reads (None for constants).
+
+        A leaf that is this view is not copied by :meth:`stage`: writing into
+        these views is the zero-copy way to give a bucket its inputs.
+        """
+        views: list[Any] = [None] * len(self.buffers)
+        for dst, i, _ in self._plan(batch):
+            views[i] = dst
+        return views
 
     def bucket_args(self, bucket: int, leaves: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The model's arguments at bucket ``bucket``: buffer views, plus this call's constants."""

@@ -9,6 +9,7 @@ run at another batch size, where batched outputs follow the batch.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -46,7 +47,18 @@ class OutputLayout:
     size: int  # the bucket
     spec: Any
     batched: tuple[bool, ...] | None
-    _views: dict[int, list[Any]] = field(default_factory=dict)
+    _views: dict[int, tuple[list[Any], Any]] = field(default_factory=dict)  # batch -> (sliced leaves, tree)
+
+    def __post_init__(self) -> None:
+        # A leaf or a flat tuple of leaves (the common outputs) is rebuilt without pytree's walk.
+        n = self.spec.num_leaves
+        if self.spec == pytree.tree_structure(0):
+            self._rebuild: Callable[[list[Any]], Any] = lambda leaves: leaves[0]
+        elif self.spec == pytree.tree_structure(tuple(range(n))):
+            self._rebuild = tuple
+        else:
+            self._rebuild = functools.partial(_unflatten, spec=self.spec)
+        self._immutable = not isinstance(self._rebuild, functools.partial)  # a cached tree cannot be mutated
 
     @property
     def known(self) -> bool:
@@ -55,20 +67,27 @@ class OutputLayout:
     def result(self, leaves: list[Any], batch: int, *, batch_dim: int, copy: bool, cache: bool) -> Any:
         """The outputs of a call of ``batch`` rows: batched leaves sliced to ``batch``, copied if asked.
 
-        ``cache`` keeps the sliced views per batch size (for a graph's static outputs).
+        ``cache`` keeps the sliced views per batch size (for a graph's static
+        outputs); uncopied, a leaf or tuple result is then the same object every call.
         """
-        sliced = self._views.get(batch) if cache else None
-        if sliced is None:
+        cached = self._views.get(batch) if cache else None
+        if cached is None:
             if batch < self.size and self.batched is None:
                 raise RuntimeError("the outputs' batch dimensions are unknown: a padded result cannot be sliced")
             flags = self.batched or (False,) * len(leaves)
             sliced = [o.narrow(batch_dim, 0, batch) if is_b and batch < self.size else o
                       for o, is_b in zip(leaves, flags)]
+            cached = (sliced, self._rebuild(sliced) if self._immutable else None)
             if cache:
-                self._views[batch] = sliced
+                self._views[batch] = cached
+        sliced, tree = cached
         if copy:
-            sliced = [o.clone() if isinstance(o, torch.Tensor) else o for o in sliced]
-        return pytree.tree_unflatten(sliced, self.spec)
+            return self._rebuild([o.clone() if isinstance(o, torch.Tensor) else o for o in sliced])
+        return tree if tree is not None else self._rebuild(sliced)
+
+
+def _unflatten(leaves: list[Any], *, spec: Any) -> Any:
+    return pytree.tree_unflatten(leaves, spec)
 
 
 def learn_output_layout(outputs: Any, bucket: int, *, batch_dim: int, given: BatchedOutputs,

@@ -1,0 +1,112 @@
+"""Zero-copy calls of a pool: write the inputs into the graph's own buffers, read its outputs in place.
+
+Serving stacks let the model runner write each step's inputs straight into
+the captured graph's input buffers and read the outputs where the graph left
+them; an ordinary pool call instead copies every argument in and clones every
+output (a dispatch each, most of a small call's host time). A
+:class:`StaticIO`, from :meth:`ShapeBucketPool.static_io(n) <.pool.ShapeBucketPool.static_io>`,
+is that way for one batch size ``n``::
+
+    io = pool.static_io(5)
+    io.args[0].copy_(next_tokens)   # or any kernel writing into the view
+    logits, nxt = io.run()          # views of the graph's outputs
+
+Everything a call guarantees still holds (capture on first use, the padding
+check, eager fallbacks with reasons, validation mode): :meth:`StaticIO.run`
+is a pool call whose arguments already are the buffers. The outputs are
+views valid until the pool's next call of any size. In debug mode
+(``enable(debug=True)`` or ``GFXGRAPH=debug``) they are guarded: using one
+after a later call raises :class:`~hipgraph_bridge.errors.StaleOutputError`,
+and rebinding an input (``io.kwargs["x"] = t``, which the graph would never
+see) raises ``RuntimeError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .._torch_compat import plain_torch_function, pytree
+from ..errors import StaleOutputError
+from .buffers import StaticInputs
+
+__all__ = ["StaticIO", "guard_outputs"]
+
+
+class StaticIO:
+    """The static input views of one batch size, and the call that replays on them.
+
+    Attributes:
+        batch_size: the rows a call has (the views' size in ``batch_dim``).
+        bucket: the bucket those rows run in (its padding rows are the pool's).
+        args, kwargs: the call's arguments as the first call laid them out, each
+            tensor a view of its static buffer. Write into them; do not rebind them.
+    """
+
+    def __init__(self, run: Callable[[StaticIO], Any], inputs: StaticInputs, batch_size: int, bucket: int) -> None:
+        self.batch_size = batch_size
+        self.bucket = bucket
+        self.inputs = inputs  # the pool's buffers this belongs to (a closed pool has new ones)
+        self.leaves = inputs.views(batch_size)
+        self.args, self.kwargs = inputs.layout.rebuild(self.leaves)
+        # (graph replay, its result, padded) once the checks are done: a later run only replays
+        self.fast: tuple[Callable[[], Any], Any, bool] | None = None
+        self._run = run
+
+    def run(self) -> Any:
+        """Replay the bucket on what the views hold; returns views of the outputs (no copies).
+
+        Cost once the bucket is captured and checked: a lock, a stream-handle
+        comparison and the replay (about one launch of host time).
+        """
+        return self._run(self)
+
+    __call__ = run
+
+    def check_intact(self) -> None:
+        """Debug mode: the arguments are still the buffer views (a rebound one would be ignored)."""
+        now, _ = pytree.tree_flatten((self.args, self.kwargs))
+        for i, (got, want) in enumerate(zip(now, self.leaves)):
+            if want is not None and (got is not want or got.data_ptr() != want.data_ptr()
+                                     or got.shape != want.shape):
+                raise RuntimeError(f"StaticIO(batch_size={self.batch_size}): input leaf {i} is no longer the "
+                                   "static buffer's view (rebound, resized or set_()): the graph reads only the "
+                                   "buffer; write into the view instead, e.g. io.args[0].copy_(x)")
+
+    def __repr__(self) -> str:
+        return f"StaticIO(batch_size={self.batch_size}, bucket={self.bucket})"
+
+
+class _GuardedView(torch.Tensor):
+    """An output view that raises once a later call has overwritten its memory (debug mode)."""
+
+    _gfx_epoch: list[int]
+    _gfx_gen: int
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        for leaf in pytree.tree_leaves((args, kwargs or {})):
+            epoch = getattr(leaf, "_gfx_epoch", None)
+            if epoch is not None and leaf._gfx_gen != epoch[0]:
+                raise StaleOutputError(
+                    f"{getattr(func, '__name__', func)} on a graph output view that a later pool call overwrote "
+                    f"(this view came from call {leaf._gfx_gen}, the pool is at call {epoch[0]}); read or clone "
+                    "outputs before the next call, or use copy_outputs=True")
+        with plain_torch_function():
+            return func(*args, **(kwargs or {}))
+
+
+def guard_outputs(out: Any, epoch: list[int]) -> Any:
+    """``out`` with each tensor an alias that goes stale when ``epoch[0]`` moves on (debug mode)."""
+    gen = epoch[0]
+
+    def guard(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        view = t.as_subclass(_GuardedView)
+        view._gfx_epoch, view._gfx_gen = epoch, gen
+        return view
+
+    return pytree.tree_map(guard, out)

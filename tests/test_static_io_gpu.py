@@ -1,0 +1,120 @@
+"""Zero-copy pool calls and padding kept between calls, with real graphs on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gfxgraph
+from gfxgraph import ShapeBucketPool, StaleOutputError
+
+pytestmark = pytest.mark.gpu
+
+
+def _counting(model):
+    calls = []
+
+    def fn(*args):
+        calls.append(args[0].shape[0])
+        return model(*args)
+    return fn, calls
+
+
+def test_static_io_replays_the_bucket_without_running_the_model():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 64).cuda()
+    fn, calls = _counting(lambda x, y: (lin(x) + y, lin(x).argmax(dim=-1)))
+    pool = ShapeBucketPool(fn, [4, 8])
+    with torch.no_grad():
+        pool.capture_all(torch.randn(2, 64, device="cuda"), torch.randn(2, 64, device="cuda"))
+        for n in (8, 5, 3):
+            io = pool.static_io(n)
+            x_view, y_view = io.args
+            assert x_view.data_ptr() == pool.static_inputs[0].data_ptr()
+            for step in range(4):
+                x, y = torch.randn(n, 64, device="cuda"), torch.randn(n, 64, device="cuda")
+                x_view.copy_(x)
+                y_view.copy_(y)
+                before = len(calls)
+                out, idx = io.run()
+                ref = lin(x) + y
+                torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+                assert torch.equal(idx, lin(x).argmax(dim=-1))
+                assert out.shape == (n, 64) and idx.shape == (n,)
+                if step >= 1:  # checked on the first padded call; then only the graph runs
+                    assert len(calls) == before, (n, step)
+                    assert io.fast is not None
+    assert gfxgraph.stats()["fallback_count"] == 0
+
+
+def test_ordinary_calls_keep_padding_rows_and_stay_equal():
+    fn, calls = _counting(lambda x: torch.tanh(x) * 3)
+    pool = ShapeBucketPool(fn, [16])
+    big = torch.randn(16, 8, device="cuda")
+    torch.testing.assert_close(pool(big), torch.tanh(big) * 3)
+    for n in (5, 9, 2, 15, 1):
+        x = torch.randn(n, 8, device="cuda")
+        torch.testing.assert_close(pool(x), torch.tanh(x) * 3)
+    entry = pool._entries[(16, ())]
+    assert entry.padding_checked and not entry.refill
+    last = torch.randn(3, 8, device="cuda")
+    before = pool.static_inputs[0][3:16].clone()
+    pool(last)
+    assert torch.equal(pool.static_inputs[0][3:16], before)  # no pad fill on the hot path
+
+
+def test_batch_sum_model_refills_and_batch_mean_model_falls_back():
+    pool = ShapeBucketPool(lambda x: x - x.sum(dim=0, keepdim=True), [8])
+    pool(torch.randn(8, 4, device="cuda"))
+    for n in (5, 3, 7):
+        x = torch.randn(n, 4, device="cuda")
+        torch.testing.assert_close(pool(x), x - x.sum(0, keepdim=True))
+    assert pool._entries[(8, ())].refill and not pool.row_coupled
+    mean = ShapeBucketPool(lambda x: x - x.mean(dim=0, keepdim=True), [8])
+    x = torch.randn(5, 4, device="cuda")
+    torch.testing.assert_close(mean(x), x - x.mean(0, keepdim=True))
+    assert mean.row_coupled
+
+
+def test_static_io_of_a_refilling_bucket_stays_correct():
+    pool = ShapeBucketPool(lambda x: x - x.sum(dim=0, keepdim=True), [8])
+    pool(torch.randn(8, 4, device="cuda"))
+    io = pool.static_io(3)
+    for _ in range(3):
+        x = torch.randn(3, 4, device="cuda")
+        io.args[0].copy_(x)
+        torch.testing.assert_close(io.run(), x - x.sum(0, keepdim=True))
+        pool(torch.randn(8, 4, device="cuda"))  # dirties the padding rows in between
+    assert io.fast is None  # refilling buckets keep the staging step
+
+
+def test_debug_mode_catches_a_stale_output_view():
+    pool = ShapeBucketPool(lambda x: x * 2, [4])
+    pool(torch.ones(4, 3, device="cuda"))
+    gfxgraph.enable(debug=True)
+    try:
+        io = pool.static_io(4)
+        io.args[0].fill_(1.0)
+        first = io.run()
+        assert first.sum().item() == 24.0
+        io.args[0].fill_(2.0)
+        second = io.run()
+        with pytest.raises(StaleOutputError):
+            first.float()
+        assert second.sum().item() == 48.0
+    finally:
+        gfxgraph.disable()
+
+
+def test_static_io_after_close_raises_and_a_new_one_works():
+    pool = ShapeBucketPool(lambda x: x + 1, [4])
+    pool(torch.zeros(4, 2, device="cuda"))
+    io = pool.static_io(4)
+    io.run()
+    pool.close()
+    with pytest.raises(RuntimeError, match="its pool was closed"):
+        io.run()
+    pool(torch.zeros(4, 2, device="cuda"))
+    io = pool.static_io(2)
+    io.args[0].fill_(5.0)
+    assert torch.equal(io.run(), torch.full((2, 2), 6.0, device="cuda"))
