@@ -2,13 +2,12 @@
 
 Batched tensors get one buffer with the largest bucket's rows in
 ``batch_dim``; bucket ``b`` reads the view of its first ``b`` rows. A call of
-``B`` rows copies its tensors into rows ``[0, B)``. Rows ``[B, b)`` (the
-padding) start as ``pad_value`` and then hold whatever earlier, larger calls
-left there: refilling them costs a kernel launch per buffer and call, and a
-model whose rows do not interact cannot tell. Whether a model's rows interact
-is checked with :data:`PAD_ROWS` staging (see :mod:`.padding`); a model that
-needs clean padding gets :data:`PAD_FILL` on every call. Static tensors get a
-buffer of their own shape.
+``B`` rows copies its tensors into rows ``[0, B)``; rows ``[B, b)`` (the
+padding) always hold ``pad_value`` when the graph reads them. They are
+filled only when an earlier, larger call left real rows there: the buffers
+remember how far real rows may reach, so a stream of calls of one batch size
+(a decode loop) pays the fill once, not per call as a hand-written loop that
+pads does. Static tensors get a buffer of their own shape.
 """
 
 from __future__ import annotations
@@ -20,12 +19,7 @@ import torch
 from .buckets import BucketTable
 from .layout import BATCHED, STATIC, CallLayout
 
-__all__ = ["StaticInputs", "PAD_KEEP", "PAD_FILL", "PAD_ROWS"]
-
-# What a call's staging does with its bucket's padding rows:
-PAD_KEEP = 0  # leave them as earlier calls left them (the hot path: no kernel)
-PAD_FILL = 1  # fill them with pad_value
-PAD_ROWS = 2  # fill them with copies of the call's own rows: the padding check's worst case
+__all__ = ["StaticInputs"]
 
 
 class StaticInputs:
@@ -33,7 +27,8 @@ class StaticInputs:
 
     Cost per call (:meth:`stage`): one copy per tensor argument (none for a
     tensor that already is the buffer's view, as with :meth:`views`), plus one
-    fill per padded buffer with :data:`PAD_FILL`; the views are cached per batch size.
+    fill per padded buffer when an earlier call left real rows in the padding;
+    the views are cached per batch size.
     """
 
     def __init__(self, layout: CallLayout, leaves: list[Any], table: BucketTable, *, batch_dim: int,
@@ -54,6 +49,8 @@ class StaticInputs:
             else:
                 bufs.append(None)
         self.buffers = bufs  # per leaf: its static buffer, or None for constants
+        # rows [0, dirty) of the batched buffers may hold real rows; every row beyond holds pad_value
+        self.dirty = 0
         self._plans: dict[int, list[tuple[torch.Tensor, int, torch.Tensor | None]]] = {}
 
     def _plan(self, batch: int) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
@@ -71,19 +68,21 @@ class StaticInputs:
             self._plans[batch] = plan
         return plan
 
-    def stage(self, leaves: list[Any], batch: int, pad: int = PAD_KEEP) -> None:
-        """Copy a call's tensors in; ``pad`` says what the bucket's rows beyond ``batch`` get."""
-        for dst, i, rows in self._plan(batch):
+    def stage(self, leaves: list[Any], batch: int) -> None:
+        """Copy a call's tensors in; fill its bucket's padding rows if real rows may be there."""
+        dirty = self.dirty
+        for dst, i, pad in self._plan(batch):
             src = leaves[i]
             if src is not dst:
                 dst.copy_(src)
-            if rows is None or pad == PAD_KEEP:
-                continue
-            if pad == PAD_FILL and self.pad_value is not None:
-                rows.fill_(self.pad_value)
-            elif pad == PAD_ROWS:
-                bd, n = self.batch_dim, rows.shape[self.batch_dim]
-                rows.copy_(dst.index_select(bd, torch.arange(n, device=dst.device) % batch))
+            if pad is not None and dirty > batch and self.pad_value is not None:
+                pad.fill_(self.pad_value)
+        self.note_written(batch)
+
+    def note_written(self, batch: int) -> None:
+        """Rows ``[0, batch)`` now hold a call's data and its bucket's padding holds ``pad_value``."""
+        if self.dirty <= self._table[batch]:
+            self.dirty = batch
 
     def views(self, batch: int) -> list[Any]:
         """Per leaf, the buffer view a call of ``batch`` rows reads (None for constants).
@@ -117,5 +116,6 @@ class StaticInputs:
                 reps = -(-rows // batch)
                 tiled = leaf.repeat(*[reps if d == bd else 1 for d in range(leaf.dim())])
                 buf.copy_(tiled.narrow(bd, 0, rows))
+                self.dirty = rows
             elif kind == STATIC and buf is not leaf:
                 buf.copy_(leaf)

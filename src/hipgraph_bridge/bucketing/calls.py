@@ -22,7 +22,7 @@ from ..log import logger
 from ..platform import probe
 from ..tree import clone_tree
 from .buckets import BucketTable
-from .buffers import PAD_FILL, PAD_KEEP, PAD_ROWS, StaticInputs
+from .buffers import StaticInputs
 from .capture import BucketCapturer, Captured
 from .entry import MISSING, Bucket
 from .layout import CallLayout, QuickPlan
@@ -43,7 +43,6 @@ class BucketCalls:
     max_bucket: int
     batch_dim: int
     pad_value: float | int | bool | None
-    refill_padding: bool
     copy_outputs: bool
     oversize: str
     stateful: bool
@@ -76,23 +75,18 @@ class BucketCalls:
         bucket = self._table[batch]
         consts = inputs.layout.consts(leaves) if inputs.layout.has_consts else ()
         entry = self._entries.get((bucket, consts))
-        pad = PAD_KEEP
         if batch < bucket:
             refusal = self._padding.refusal(consts, outputs_known=entry is None or entry.layout is None
                                             or entry.layout.known)
             if refusal is not None:
                 stats.record_fallback(*refusal)
                 return self._eager(args, kwargs)
-            if self.refill_padding or (entry is not None and entry.refill):
-                pad = PAD_FILL
-            elif entry is None or not entry.padding_checked:
-                pad = PAD_ROWS  # the padding check's worst case (see .padding)
         if self._graphs_available:
             self._order.after_previous()
         if entry is not None and entry.failed is not None:
             stats.record_fallback(entry.reason, entry.failed)
             return self._eager(args, kwargs)
-        inputs.stage(leaves, batch, pad)
+        inputs.stage(leaves, batch)
         if entry is None:
             entry, out = self._first_call(bucket, (bucket, consts), leaves, batch, args, kwargs, copy)
         else:
@@ -102,20 +96,7 @@ class BucketCalls:
             return out
         if (batch == entry.size or entry.padding_checked) and not switches.validate:
             return out  # the hot path: nothing to check
-        refilled = None if self.refill_padding or self.pad_value is None else functools.partial(
-            self._refilled, entry, leaves, batch, args, kwargs, copy)
-        return self._padding.answer(entry, batch, out, lambda: self._eager(args, kwargs), owner=self,
-                                    refilled=refilled)
-
-    def _refilled(self, entry: Bucket, leaves: list[Any], batch: int, args: tuple[Any, ...],
-                  kwargs: dict[str, Any], copy: bool) -> Any:
-        """The padding check's second try: the call again, its padding filled with ``pad_value``."""
-        assert self._inputs is not None
-        self._inputs.stage(leaves, batch, PAD_FILL)
-        out = self._replay(entry, leaves, batch, args, kwargs, copy)
-        if out is _EAGER:
-            out, self._last_eager = self._last_eager, None
-        return out
+        return self._padding.answer(entry, batch, out, lambda: self._eager(args, kwargs), owner=self)
 
     def _replay(self, entry: Bucket, leaves: list[Any], batch: int, args: tuple[Any, ...],
                 kwargs: dict[str, Any], copy: bool) -> Any:

@@ -31,7 +31,6 @@ class Bucket:
     reason: str = ""  # fallback reason key when this bucket runs eagerly ("vram_cap", ...)
     failed: str | None = None  # the explanation when this bucket runs eagerly
     padding_checked: bool = False  # a padded result was compared with eager (see .padding)
-    refill: bool = False  # the padding rows are filled with pad_value on every call (see .padding)
 
     def warm_result(self, warm: Any, batch: int, *, batch_dim: int, copy: bool) -> Any:
         """A bucket's first call returns its last warm-up run, as a replay would return it.

@@ -9,19 +9,13 @@ key of constant arguments:
   eagerly (reason ``padded_state_write``); make the batch sizes you run buckets.
 * A padded call whose outputs cannot be sliced back (which outputs carry the
   batch could not be learnt) runs eagerly (reason ``unknown_outputs``).
-* Padding rows are not refilled per call: they hold what earlier calls left
-  (:mod:`.buffers`). So the first padded call of every bucket runs with copies
-  of its own rows as padding, the worst case for a model whose rows
-  interact, and is compared with an eager run on the caller's own arguments.
-  If they differ beyond rounding, the call is replayed once more with the
-  padding filled with ``pad_value``: if that agrees, this bucket refills its
-  padding on every call from then on (a batch sum is unchanged by zero rows);
-  if not, that key's padded calls run eagerly (reason
-  ``padding_changes_results``) and this call returns the eager result: rows
-  interact (a batch mean, batch norm in training mode), or the model is random.
+* The first padded call of every bucket is compared with an eager run on the
+  caller's own arguments. If they differ beyond rounding, that key's padded
+  calls run eagerly from then on (reason ``padding_changes_results``) and this
+  call returns the eager result: rows interact (a batch mean, batch norm in
+  training mode), or the model is random.
 
-The check costs one eager run and a host sync (and, when the first comparison
-fails, one more replay), once per bucket.
+The check costs one eager run and a host sync, once per bucket.
 """
 
 from __future__ import annotations
@@ -31,7 +25,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from .. import config, stats
-from ..log import log_once, logger
+from ..log import log_once
 from ..validation import checked_against_eager, padding_changed
 from .entry import Bucket
 
@@ -60,13 +54,10 @@ class PaddingGuard:
             return "unknown_outputs", UNKNOWN_OUTPUTS
         return None
 
-    def answer(self, entry: Bucket, batch: int, out: Any, eager: Callable[[], Any], *, owner: object,
-               refilled: Callable[[], Any] | None = None) -> Any:
+    def answer(self, entry: Bucket, batch: int, out: Any, eager: Callable[[], Any], *, owner: object) -> Any:
         """What a call returns for ``out``, ``entry``'s result sliced to ``batch`` rows.
 
-        ``refilled()`` replays the call with the padding filled with ``pad_value``
-        (None: there is no such value). A bucket's first padded result is compared
-        with ``eager()`` (:meth:`check`);
+        A bucket's first padded result is compared with ``eager()`` (:meth:`check`);
         in validation mode every result is (dtype-aware tolerances, counted,
         eager returned on a mismatch), except a stateful model's, which cannot
         be run twice.
@@ -77,27 +68,19 @@ class PaddingGuard:
             return out
         if not first_padded:
             return checked_against_eager(out, eager(), owner=owner, what="ShapeBucketPool")
-        out, reference = self.check(entry, batch, out, eager, refilled)
+        out, reference = self.check(entry, batch, out, eager)
         if validate:  # the check's eager run is the reference: the model is not run a third time
             return checked_against_eager(out, reference, owner=owner, what="ShapeBucketPool")
         return out
 
-    def check(self, entry: Bucket, batch: int, padded_out: Any, eager: Callable[[], Any],
-              refilled: Callable[[], Any] | None = None) -> tuple[Any, Any]:
+    def check(self, entry: Bucket, batch: int, padded_out: Any, eager: Callable[[], Any]) -> tuple[Any, Any]:
         """Compare a bucket's first padded result with ``eager()``; returns (result, the eager result).
 
-        The result is ``padded_out`` when they agree; else ``refilled()``'s when
-        that agrees (and the bucket refills its padding from now on); else the
-        eager one (and this key's padded calls run eagerly from now on).
+        The result is ``padded_out`` when they agree, else the eager one (and
+        this key's padded calls run eagerly from now on).
         """
         reference = eager()
         why = padding_changed(padded_out, reference)
-        if why and refilled is not None and not entry.refill:
-            filled_out = refilled()
-            if not padding_changed(filled_out, reference):
-                entry.refill = entry.padding_checked = True
-                logger.debug("gfxgraph: bucket %d refills its padding on every call: %s", entry.size, why)
-                return filled_out, reference
         entry.padding_checked = True  # only once it is decided: a check that raised is tried again
         if not why:
             return padded_out, reference

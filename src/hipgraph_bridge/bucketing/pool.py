@@ -10,8 +10,8 @@ Workflow of a call ``pool(*args, **kwargs)``:
    fixed (:mod:`.layout`).
 2. Pick the smallest bucket ``b >= B`` (:mod:`.buckets`). ``B`` above the largest
    bucket runs eagerly (reason ``oversize``) or raises with ``oversize="error"``.
-3. Copy the tensors into the static buffers; rows ``[B, b)`` keep what earlier
-   calls left there unless the padding check asked for a refill (:mod:`.buffers`).
+3. Copy the tensors into the static buffers; rows ``[B, b)`` hold ``pad_value``
+   (filled only when an earlier, larger call left real rows there: :mod:`.buffers`).
 4. Replay the bucket's graph. On a bucket's first use, warm up and capture
    it instead (:mod:`.capture`): the last warm-up run *is* this call's run,
    so with the default ``warmup_iters=1`` every call runs the model exactly
@@ -79,11 +79,7 @@ class ShapeBucketPool(BucketCalls):
         batch_dim: the dimension that carries the batch in inputs and outputs.
         static_args: positions (ints) or keyword names (strs) of tensor arguments
             without a batch dimension; they are copied into static buffers each call.
-        pad_value: value the padding rows start with (default 0); they then keep what
-            earlier calls left unless the padding check finds the model needs them refilled
-            (:mod:`.padding`). None: never refilled.
-        refill_padding: fill the padding rows with ``pad_value`` on every padded call
-            (a kernel per buffer and call), as a hand-written loop that pads does.
+        pad_value: value of the padding rows (default 0); None leaves them as they are.
         copy_outputs: return copies (default). ``False`` returns views of the
             graph's static outputs: fastest, but overwritten by the next call.
         oversize: ``"eager"`` (default) runs a batch above the largest bucket
@@ -122,7 +118,6 @@ class ShapeBucketPool(BucketCalls):
         batch_dim: int = 0,
         static_args: Collection[int | str] = (),
         pad_value: float | int | bool | None = 0,
-        refill_padding: bool = False,
         copy_outputs: bool = True,
         oversize: Literal["eager", "error"] = "eager",
         warmup_iters: int = 1,
@@ -136,7 +131,7 @@ class ShapeBucketPool(BucketCalls):
     ) -> None:
         check_pool_options(model_fn, buckets, max_batch_size, batch_dim, oversize, warmup_iters, pad_value,
                            static_args, generators, copy_outputs=copy_outputs, progress=progress, stateful=stateful,
-                           simulate_padding=simulate_padding, refill_padding=refill_padding)
+                           simulate_padding=simulate_padding)
         self.model_fn = model_fn
         self.buckets: list[int] = (validate_buckets(buckets) if buckets is not None
                                    else default_buckets(256 if max_batch_size is None else max_batch_size))
@@ -144,7 +139,6 @@ class ShapeBucketPool(BucketCalls):
         self.batch_dim = batch_dim
         self.static_args = frozenset(static_args)
         self.pad_value = pad_value
-        self.refill_padding = refill_padding
         self.copy_outputs = copy_outputs
         self.oversize = oversize
         self.warmup_iters = warmup_iters
@@ -259,7 +253,9 @@ class ShapeBucketPool(BucketCalls):
         fast, switches = io.fast, config.switches
         if fast is not None and not (switches.validate or switches.debug):
             with self._lock:
-                if self._inputs is io.inputs and not (fast[2] and self._padding.row_coupled):
+                inputs = self._inputs
+                # still this pool's buffers, the padding still clean, and padded calls still allowed
+                if inputs is io.inputs and inputs.dirty == io.batch_size and not (fast[2] and self._padding.row_coupled):
                     self._order.after_previous()
                     fast[0]()
                     return fast[1]
@@ -271,8 +267,8 @@ class ShapeBucketPool(BucketCalls):
                 io.check_intact()
             out = self._call(io.inputs, io.leaves, io.batch_size, io.args, io.kwargs, copy=False)
             entry = self._entries.get((io.bucket, ()))
-            if entry is not None and entry.graph is not None and entry.layout is not None and not entry.refill \
-                    and not self.refill_padding and (io.batch_size == io.bucket or entry.padding_checked) \
+            if entry is not None and entry.graph is not None and entry.layout is not None \
+                    and (io.batch_size == io.bucket or entry.padding_checked) \
                     and out is entry.layout.result(entry.outputs, io.batch_size, batch_dim=self.batch_dim,
                                                    copy=False, cache=True):
                 io.fast = (entry.graph.replay, out, io.batch_size < io.bucket)  # later runs skip the checks
