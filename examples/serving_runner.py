@@ -1,6 +1,10 @@
 """A serving-stack style graph runner (the low-level pattern SGLang and vLLM use), unchanged
 code that gfxgraph makes safe: run it as ``GFXGRAPH=1 python examples/serving_runner.py``.
 
+Needs: torch and a CUDA or ROCm GPU to capture graphs. Without a GPU it serves every request
+eagerly on the CPU (as serving stacks do with graphs off) and says so; ``--requests N``
+(default 200) sets the number of request batches.
+
 * one memory pool, graphs captured largest batch first (smaller ones reuse its memory);
 * ``torch.cuda.graph(g, pool=..., stream=...)`` per batch size, static input buffer;
 * each request batch is padded up to the next captured size and sliced back.
@@ -11,6 +15,7 @@ is ended cleanly instead of poisoning the stream, and ``gfxgraph.stats()`` count
 
 from __future__ import annotations
 
+import argparse
 import bisect
 import random
 import sys
@@ -57,14 +62,33 @@ class Runner:
         return self.outputs[bs][:n].clone()
 
 
+def serve_eagerly(model: torch.nn.Module, requests: int) -> int:
+    """The CPU path: the same request stream, every batch run eagerly (no graphs to capture)."""
+    print("serving_runner: no GPU here, so every request runs eagerly on the CPU (no graphs captured)")
+    rng = random.Random(0)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(requests):
+            model(torch.randn(rng.randint(1, 80), WIDTH))
+    print(f"served {requests} request batches eagerly in {time.perf_counter() - t0:.2f} s; "
+          f"gfxgraph enabled={gfxgraph.is_enabled()}")
+    return 0
+
+
 def main() -> int:
+    ap = argparse.ArgumentParser(prog="serving_runner")
+    ap.add_argument("--requests", type=int, default=200)
+    args = ap.parse_args()
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU())
-                                  for _ in range(6)]).cuda().to(torch.bfloat16).eval()
+                                  for _ in range(6)]).eval()
+    if not torch.cuda.is_available():
+        return serve_eagerly(model, args.requests)
+    model = model.cuda().to(torch.bfloat16)
     runner = Runner(model)
     rng = random.Random(0)
     worst = 0.0
-    for _ in range(200):
+    for _ in range(args.requests):
         x = torch.randn(rng.randint(1, 80), WIDTH, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             worst = max(worst, (runner.forward(x).float() - model(x).float()).abs().max().item())

@@ -1,4 +1,4 @@
-"""`python -m gfxgraph script.py`, `gfxgraph run|doctor|version`."""
+"""`python -m gfxgraph script.py`, `gfxgraph run|doctor|version`, `--version`; sys.path as python sets it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import SRC
+import pytest
+
+from conftest import GPU_SKIP_REASON, SRC
+from gfxgraph import cli
+from hipgraph_bridge import log
 
 SCRIPT = """
 import sys, json, torch
@@ -17,11 +21,12 @@ sys.exit(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
 """
 
 
-def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _cli(*args: str, env: dict[str, str] | None = None,
+         cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     full = {**os.environ, "PYTHONPATH": str(SRC)}
     full.update(env or {})
     return subprocess.run([sys.executable, "-m", "gfxgraph", *args], capture_output=True, text=True,
-                          env=full, timeout=120)
+                          env=full, cwd=cwd, timeout=120)
 
 
 def test_module_runs_script_as_main_with_its_argv_and_exit_code(tmp_path: Path):
@@ -61,10 +66,115 @@ def test_script_exception_gives_nonzero_exit(tmp_path: Path):
     assert "ValueError: boom" in r.stderr
 
 
-def test_missing_script_is_a_clear_error(tmp_path: Path):
+def _last_line(stderr: str) -> str:
+    """The CLI's own message: the last line of stderr (PyTorch may warn at import before it)."""
+    lines = stderr.strip().splitlines()
+    assert "Traceback" not in stderr, stderr
+    return lines[-1] if lines else ""
+
+
+def test_missing_script_is_one_clear_line(tmp_path: Path):
     r = _cli("run", str(tmp_path / "nope.py"))
     assert r.returncode == 2
-    assert "expected a Python script" in r.stderr
+    assert _last_line(r.stderr) == f"gfxgraph run: expected a Python script, but {str(tmp_path / 'nope.py')!r} is not a file"
+
+
+def test_missing_module_is_one_clear_line(tmp_path: Path):
+    r = _cli("run", "-m", "no_such_module_here", cwd=tmp_path)
+    assert r.returncode == 2
+    assert _last_line(r.stderr).startswith("gfxgraph run: no module named 'no_such_module_here' (searched sys.path")
+    r = _cli("run", "-m", "no_such_pkg.server", cwd=tmp_path)
+    assert r.returncode == 2 and "no module named 'no_such_pkg.server'" in _last_line(r.stderr)
+
+
+def test_package_without_main_is_one_clear_line(tmp_path: Path):
+    (tmp_path / "lib_only").mkdir()
+    (tmp_path / "lib_only" / "__init__.py").write_text("")
+    r = _cli("run", "-m", "lib_only", cwd=tmp_path)
+    assert r.returncode == 2
+    assert "'lib_only' is a package and cannot be directly executed" in _last_line(r.stderr)
+
+
+def test_import_error_inside_the_module_keeps_its_traceback(tmp_path: Path):
+    (tmp_path / "needs_dep.py").write_text("import not_installed_dependency_xyz\n")
+    r = _cli("run", "-m", "needs_dep", cwd=tmp_path)
+    assert r.returncode == 1
+    assert "Traceback" in r.stderr and "No module named 'not_installed_dependency_xyz'" in r.stderr
+
+
+def test_run_options_before_script_without_run(tmp_path: Path):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    r = _cli("--stats", str(script), "0", "--debug")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["argv"] == [str(script), "0", "--debug"]
+    assert '"replay_count"' in r.stderr
+
+
+def test_dash_m_after_the_script_belongs_to_the_script(tmp_path: Path):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    r = _cli("run", str(script), "0", "-m", "x", "tail")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["argv"] == [str(script), "0", "-m", "x", "tail"]
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version_flag_is_the_version_command(flag):
+    r = _cli(flag)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == _cli("version").stdout
+    assert r.stdout.startswith("gfxgraph ")
+
+
+# ------------------------------------------------------------ sys.path, as python does
+def _console_script(tmp_path: Path) -> Path:
+    """A copy of the ``gfxgraph`` wrapper pip writes into ``bin/``: sys.path[0] is bin/, not the cwd."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    wrapper = bin_dir / "gfxgraph"
+    wrapper.write_text(f"#!{sys.executable}\nimport re\nimport sys\nfrom gfxgraph.cli import main\n"
+                       "if __name__ == '__main__':\n"
+                       "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n"
+                       "    sys.exit(main())\n")
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def test_console_script_finds_a_module_in_the_current_directory(tmp_path: Path):
+    work = tmp_path / "work"
+    (work / "srv").mkdir(parents=True)
+    (work / "srv" / "__init__.py").write_text("")
+    (work / "srv" / "__main__.py").write_text(SCRIPT)
+    r = subprocess.run([str(_console_script(tmp_path)), "run", "-m", "srv", "5"], capture_output=True,
+                       text=True, cwd=work, env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=120)
+    assert r.returncode == 5, r.stderr
+    assert json.loads(r.stdout)["argv"][1:] == ["5"]
+
+
+def test_console_script_puts_the_script_directory_first(tmp_path: Path):
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "helper_mod.py").write_text("VALUE = 'from the script directory'\n")
+    (tmp_path / "app" / "main.py").write_text("import helper_mod\nprint(helper_mod.VALUE)\n")
+    r = subprocess.run([str(_console_script(tmp_path)), "run", str(tmp_path / "app" / "main.py")],
+                       capture_output=True, text=True, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "from the script directory"
+
+
+def test_main_in_process_puts_the_current_directory_first(tmp_path: Path, monkeypatch, capsys):
+    (tmp_path / "cwd_probe_mod_14.py").write_text("import sys\nprint('ran', __name__, sys.argv[1:])\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd())])
+    monkeypatch.setattr(sys, "argv", ["gfxgraph"])
+    monkeypatch.delitem(sys.modules, "cwd_probe_mod_14", raising=False)
+    try:
+        assert cli.main(["run", "-m", "cwd_probe_mod_14", "a", "--b"]) == 0
+    finally:
+        log.detach_stderr_handler()
+    assert capsys.readouterr().out == "ran __main__ ['a', '--b']\n"
+    assert sys.path[0] == str(tmp_path)
 
 
 def test_doctor_json_reports_why_not_ok():
@@ -113,3 +223,24 @@ def test_run_module_passes_its_options_through(tmp_path: Path):
     r = _cli("run", "-m", "srv", "0", "--requests", "40", env={"PYTHONPATH": f"{SRC}{os.pathsep}{tmp_path}"})
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["argv"][1:] == ["0", "--requests", "40"]
+
+
+# ------------------------------------------------------------------ doctor
+def test_doctor_reports_a_bad_vram_cap_and_strict_fails():
+    bad = {"GFXGRAPH_VRAM_CAP": "2"}
+    r = _cli("doctor", env=bad)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0].endswith("doctor: NOT OK")
+    assert "  - configuration: GFXGRAPH_VRAM_CAP='2': expected a fraction of device memory in (0.0, 1.0]" in r.stdout
+    report = json.loads(_cli("doctor", "--json", env=bad).stdout)
+    assert report["ok"] is False
+    assert report["config_errors"] and report["config_errors"][0].startswith("GFXGRAPH_VRAM_CAP='2'")
+    assert report["details"][0] == f"configuration: {report['config_errors'][0]}"  # the first detail says why
+    assert _cli("doctor", "--strict", env=bad).returncode == 1
+
+
+@pytest.mark.skipif(GPU_SKIP_REASON is None, reason="CPU-only behaviour")
+def test_doctor_forced_ctypes_on_cpu_torch_is_no_native_bridge():
+    report = json.loads(_cli("doctor", "--json", env={"GFXGRAPH_RUNTIME": "ctypes"}).stdout)
+    assert report["native_bridge"] is False
+    assert any(d.startswith("native bridge: ") for d in report["details"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -146,8 +147,14 @@ def test_hgb_log_level_sets_logger_level(py):
     assert r.stdout.strip() == str(40)
 
 
-def test_library_adds_only_a_null_handler():
-    import logging
-
-    handlers = logging.getLogger("gfxgraph").handlers
-    assert all(isinstance(h, logging.NullHandler) or getattr(h, "_gfxgraph_cli", False) for h in handlers)
+def test_import_attaches_no_handler_unless_a_level_is_asked_for(py):
+    code = """
+        import logging, gfxgraph
+        print(len(logging.getLogger("gfxgraph").handlers), logging.getLogger("gfxgraph").level)
+    """
+    r = py(code, env={"GFXGRAPH_LOG_LEVEL": "", "HGB_LOG_LEVEL": "", "GFXGRAPH": ""})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["0", "0"]  # Python's library convention: the application decides
+    r = py(code, env={"GFXGRAPH_LOG_LEVEL": "info"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["1", str(logging.INFO)]

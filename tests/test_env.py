@@ -43,10 +43,24 @@ def test_log_level(raw, level):
     assert read_log_level({"HGB_LOG_LEVEL": raw}) == level
 
 
-def test_log_level_bad_value_warns(caplog):
+@pytest.mark.parametrize("name", ["GFXGRAPH_LOG_LEVEL", "HGB_LOG_LEVEL"])
+def test_log_level_bad_value_warns(name, caplog):
     with caplog.at_level(logging.WARNING, logger="gfxgraph"):
-        assert read_log_level({"HGB_LOG_LEVEL": "loud"}) is None
-    assert "HGB_LOG_LEVEL" in caplog.text and "debug, info, warn, error" in caplog.text
+        assert read_log_level({name: "loud"}) is None
+    assert f"{name}='loud'" in caplog.text and "debug, info, warn, error" in caplog.text
+
+
+def test_log_level_primary_name_and_alias():
+    assert read_log_level({"GFXGRAPH_LOG_LEVEL": "info"}) == logging.INFO
+    assert read_log_level({"GFXGRAPH_LOG_LEVEL": "info", "HGB_LOG_LEVEL": "error"}) == logging.INFO
+    assert read_log_level({"GFXGRAPH_LOG_LEVEL": " ", "HGB_LOG_LEVEL": "error"}) == logging.ERROR
+    assert read_log_level({}) is None
+
+
+def test_bad_primary_log_level_does_not_fall_back_to_alias(caplog):
+    with caplog.at_level(logging.WARNING, logger="gfxgraph"):
+        assert read_log_level({"GFXGRAPH_LOG_LEVEL": "loud", "HGB_LOG_LEVEL": "debug"}) is None
+    assert "GFXGRAPH_LOG_LEVEL='loud'" in caplog.text and "HGB_LOG_LEVEL" not in caplog.text
 
 
 def test_vram_cap_default_and_values():

@@ -4,7 +4,9 @@
     gfxgraph.enable()          # torch.cuda.CUDAGraph is now abort-proof and counted
     print(gfxgraph.stats())
 
-Setting ``GFXGRAPH=1`` (or ``debug``/``validate``) enables it at import.
+Setting ``GFXGRAPH=1`` (or ``debug``/``validate``) enables it at import;
+``GFXGRAPH_LOG_LEVEL=debug`` (alias ``HGB_LOG_LEVEL``) prints the library's log on
+stderr (see :mod:`hipgraph_bridge.log` for where records go).
 """
 
 from __future__ import annotations

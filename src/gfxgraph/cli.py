@@ -1,19 +1,22 @@
 """The ``gfxgraph`` command (also ``python -m gfxgraph``).
 
-    gfxgraph run script.py [args...]     run a script with gfxgraph enabled
-    gfxgraph run -m package.module [args...]
-    python -m gfxgraph script.py [args...]   same as ``run``
+    gfxgraph run [--debug] [--validate] [--stats] script.py [args...]
+    gfxgraph run [options] -m package.module [args...]
+    python -m gfxgraph [options] script.py [args...]   same as ``run`` (also with -m)
     gfxgraph doctor [--json] [--strict]  report GPU graph health
-    gfxgraph version                     versions of gfxgraph, torch and the runtime
+    gfxgraph version (or --version)      versions of gfxgraph, torch and the runtime
     gfxgraph bench [--suite NAME] [--out DIR]   run the benchmarks in benchmarks/
 
 Options of ``run`` go before the script; everything after it is the script's.
+As ``python`` does, ``-m`` puts the current directory first on ``sys.path`` and
+a script path puts the script's directory there.
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import importlib.util
 import json
 import logging
 import os
@@ -26,30 +29,44 @@ import torch
 
 import gfxgraph
 from gfxgraph.bench import render_results, run_bench
-from hipgraph_bridge.config import read_enable_mode, read_log_level
+from hipgraph_bridge.config import read_enable_mode
+from hipgraph_bridge.log import attach_stderr_handler, logger
 from hipgraph_bridge.platform import probe
 
 _COMMANDS = ("run", "doctor", "version", "bench")
+_RUN_FLAGS = {
+    "--debug": "enable(debug=True)",
+    "--validate": "enable(validate=True): compare replays with eager",
+    "--stats": "print gfxgraph.stats() to stderr at exit",
+}
+_RUN_OPTIONS = (*_RUN_FLAGS, "-m")  # `python -m gfxgraph --stats script.py` means run
 
 
-def _configure_logging(default: int) -> None:
-    logger = logging.getLogger("gfxgraph")
-    if not any(getattr(h, "_gfxgraph_cli", False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("[gfxgraph] %(levelname)s: %(message)s"))
-        handler._gfxgraph_cli = True  # type: ignore[attr-defined]
-        logger.addHandler(handler)
-    level = read_log_level()
-    logger.setLevel(level if level is not None else default)
+def _configure_logging(default: int | None) -> None:
+    """gfxgraph's records on stderr (unless the script configures logging); ``default`` when no level is set."""
+    attach_stderr_handler()
+    if default is not None and logger.level == logging.NOTSET:  # GFXGRAPH_LOG_LEVEL was not set
+        logger.setLevel(default)
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: the ``version`` command, then exit (like argparse's own version action)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print versions (the version command) and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        parser.exit(_cmd_version(namespace))
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gfxgraph", description="Safe GPU graph capture/replay for PyTorch.")
+    p.add_argument("-V", "--version", action=_VersionAction)
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a script or module with gfxgraph enabled")
-    run.add_argument("--debug", action="store_true", help="enable(debug=True)")
-    run.add_argument("--validate", action="store_true", help="enable(validate=True): compare replays with eager")
-    run.add_argument("--stats", action="store_true", help="print gfxgraph.stats() to stderr at exit")
+    for flag, text in _RUN_FLAGS.items():
+        run.add_argument(flag, action="store_true", help=text)
     run.add_argument("-m", dest="module", metavar="MODULE", help="run a module as __main__ (like python -m)")
     run.add_argument("target", nargs=argparse.REMAINDER, help="script.py [args...] (or the module's args with -m)")
     doctor = sub.add_parser("doctor", help="report GPU graph health (captures and verifies a small graph)")
@@ -65,31 +82,71 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _module_problem(name: str) -> str | None:
+    """Why ``python -m name`` could not find what to run (None: it can), without running it.
+
+    Importing the parent packages runs their ``__init__``; an error raised there
+    other than the module being absent is the user's and propagates.
+    """
+    try:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations is not None:
+            if importlib.util.find_spec(f"{name}.__main__") is None:
+                return f"no module named {name}.__main__; {name!r} is a package and cannot be directly executed"
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if missing and (name == missing or name.startswith(missing + ".")):
+            spec = None
+        else:
+            raise
+    except ValueError as exc:  # an empty or relative name
+        return f"{name!r} is not a module name ({exc})"
+    if spec is None:
+        return (f"no module named {name!r} (searched sys.path, which starts with the current "
+                f"directory {os.getcwd()})")
+    return None
+
+
+def _run_module(module: str, module_args: list[str]) -> int:
+    cwd = os.getcwd()
+    if not sys.path or sys.path[0] not in ("", cwd):
+        sys.path.insert(0, cwd)  # what `python -m` does; a console script starts with its bin/ there
+    problem = _module_problem(module)
+    if problem is not None:
+        print(f"gfxgraph run: {problem}", file=sys.stderr)
+        return 2
+    sys.argv = [module, *module_args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    return 0
+
+
+def _run_script(target: list[str]) -> int:
+    if not target:
+        print("gfxgraph run: expected a script path (or -m MODULE)", file=sys.stderr)
+        return 2
+    script, *script_args = target
+    if not os.path.isfile(script):
+        print(f"gfxgraph run: expected a Python script, but {script!r} is not a file", file=sys.stderr)
+        return 2
+    sys.argv = [script, *script_args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # what `python script.py` does
+    runpy.run_path(script, run_name="__main__")
+    return 0
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
-    _configure_logging(logging.WARNING)
+    _configure_logging(None)
     env_mode = read_enable_mode()
     gfxgraph.enable(debug=args.debug or env_mode == "debug", validate=args.validate or env_mode == "validate")
     if args.stats:
         atexit.register(lambda: print(json.dumps(gfxgraph.stats(), indent=2, default=str), file=sys.stderr))
     if args.module:
-        sys.argv = [args.module, *args.target]
-        runpy.run_module(args.module, run_name="__main__", alter_sys=True)
-        return 0
-    if not args.target:
-        print("gfxgraph run: expected a script path (or -m MODULE)", file=sys.stderr)
-        return 2
-    script, *script_args = args.target
-    if not os.path.isfile(script):
-        print(f"gfxgraph run: expected a Python script, but {script!r} is not a file", file=sys.stderr)
-        return 2
-    sys.argv = [script, *script_args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name="__main__")
-    return 0
+        return _run_module(args.module, args.target)
+    return _run_script(args.target)
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    _configure_logging(logging.WARNING)
+    _configure_logging(None)
     report = gfxgraph.health_check()
     if args.json:
         print(json.dumps(report, indent=2, default=str))
@@ -122,17 +179,30 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(suites=args.suite, out_dir=args.out, list_only=args.list)
 
 
+def _normalise(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """``argv`` with ``run`` made explicit, and the arguments after ``-m MODULE`` split off.
+
+    ``python -m gfxgraph [run options] script.py`` means ``run``. Only ``-m``
+    among the options before the script counts: everything after ``-m MODULE``
+    (or after the script) belongs to the program, options included.
+    """
+    if argv and argv[0] not in _COMMANDS and (argv[0] in _RUN_OPTIONS or not argv[0].startswith("-")):
+        argv = ["run", *argv]
+    if not argv or argv[0] != "run":
+        return argv, None
+    for i, arg in enumerate(argv[1:], start=1):
+        if arg == "-m":
+            return argv[:i + 2], argv[i + 2:]
+        if not arg.startswith("-"):
+            break  # the script: the rest is its own
+    return argv, None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] not in _COMMANDS and not argv[0].startswith("-"):
-        argv = ["run", *argv]  # python -m gfxgraph script.py args...
-    module_args: list[str] = []
-    if argv and argv[0] == "run" and "-m" in argv:
-        # everything after `-m MODULE` belongs to the module, options included
-        i = argv.index("-m")
-        argv, module_args = argv[:i + 2], argv[i + 2:]
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    argv, module_args = _normalise(list(sys.argv[1:] if argv is None else argv))
     args = _parser().parse_args(argv)
-    if module_args:
+    if module_args is not None:
         args.target = module_args
     handler = {"run": _cmd_run, "doctor": _cmd_doctor, "version": _cmd_version, "bench": _cmd_bench}
     return handler[args.command](args)

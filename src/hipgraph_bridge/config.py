@@ -1,8 +1,10 @@
 """What configures gfxgraph: every environment variable, parsed here, and the switches ``enable()`` sets.
 
 Every parser names the variable and the accepted values when it rejects one:
-``GFXGRAPH`` and ``HGB_LOG_LEVEL`` are read at import, so a bad value there is
-a logged warning (an import must not fail over a typo); ``GFXGRAPH_VRAM_CAP``,
+``GFXGRAPH`` and ``GFXGRAPH_LOG_LEVEL`` (alias ``HGB_LOG_LEVEL``) are read at
+import, so a bad value there is a logged warning (an import must not fail over
+a typo; with logging unconfigured it reaches stderr through
+``logging.lastResort``); ``GFXGRAPH_VRAM_CAP``,
 ``GFXGRAPH_LIB`` and ``GFXGRAPH_RUNTIME`` are read when they are used, and a bad
 value there is a :class:`ConfigError`.
 
@@ -16,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -27,6 +28,7 @@ __all__ = [
     "EnableMode",
     "read_enable_mode",
     "read_log_level",
+    "LOG_LEVEL_VARS",
     "read_vram_cap",
     "check_vram_cap",
     "read_runtime_lib",
@@ -65,10 +67,9 @@ _log = logging.getLogger("gfxgraph")
 
 
 def _warn(msg: str) -> None:
-    # Both: the logger for configured applications, a Python warning so it is seen
-    # at import even where logging is not set up (the library logger has only a NullHandler).
+    # The logger alone: with logging unconfigured, logging.lastResort prints it (the
+    # library attaches no handler by default), so a warnings.warn too would print it twice.
     _log.warning(msg)
-    warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
 def read_enable_mode(environ: Mapping[str, str] | None = None) -> EnableMode:
@@ -87,15 +88,26 @@ def read_enable_mode(environ: Mapping[str, str] | None = None) -> EnableMode:
     return mode
 
 
+LOG_LEVEL_VARS = ("GFXGRAPH_LOG_LEVEL", "HGB_LOG_LEVEL")  # the primary name first, then the seed's alias
+
+
 def read_log_level(environ: Mapping[str, str] | None = None) -> int | None:
-    """Parse ``HGB_LOG_LEVEL`` (debug, info, warn, error); None when unset or bad."""
+    """Parse ``GFXGRAPH_LOG_LEVEL`` (debug, info, warn, error); None when unset or bad.
+
+    ``HGB_LOG_LEVEL``, the seed's name, is read only when ``GFXGRAPH_LOG_LEVEL``
+    is unset or empty. A bad value logs a warning naming the variable and the
+    accepted values (the other variable is then not consulted).
+    """
     env = os.environ if environ is None else environ
-    raw = env.get("HGB_LOG_LEVEL")
-    if raw is None or not raw.strip():
+    for name in LOG_LEVEL_VARS:
+        raw = env.get(name)
+        if raw is not None and raw.strip():
+            break
+    else:
         return None
     level = _LOG_LEVELS.get(raw.strip().lower())
     if level is None:
-        _warn(f"HGB_LOG_LEVEL={raw!r} is not understood; accepted values are debug, info, warn, error. "
+        _warn(f"{name}={raw!r} is not understood; accepted values are debug, info, warn, error. "
               "The 'gfxgraph' logger keeps its level.")
     return level
 

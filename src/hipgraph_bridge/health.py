@@ -7,21 +7,51 @@ from typing import Any
 
 import torch
 
+from .config import read_runtime_kind, read_runtime_lib, read_vram_cap
+from .errors import ConfigError
 from .graph.bridged import SafeCUDAGraph
 from .graph.capture import warm_up
 from .platform import probe
 from .runtime import current_runtime
 
-__all__ = ["health_check", "native_bridge_available"]
+__all__ = ["health_check", "native_bridge_available", "config_problems"]
 
 
 def native_bridge_available() -> tuple[bool, str]:
-    """Whether the native runtime layer loads (graph nodes, exec update, conditional nodes); why not."""
+    """Whether the native runtime layer works here (graph nodes, exec update, conditional nodes); why not.
+
+    True needs a runtime binding that loads *and* a GPU build of PyTorch for the
+    same API with a visible device: the layer works on PyTorch's streams and
+    captured graphs, so a runtime library that merely loads (``GFXGRAPH_RUNTIME=ctypes``
+    finds a libcudart beside a CPU-only PyTorch) is reported False, with both facts.
+    """
     try:
         rt = current_runtime()
-        return True, f"{rt.name} runtime via {rt.binding}"
     except Exception as exc:
         return False, str(exc)
+    loaded = f"{rt.name} runtime via {rt.binding}"
+    p = probe()
+    if p.backend is None:
+        return False, f"{loaded} loads, but there is no GPU for it to work on: {p.reason}"
+    if rt.name != p.backend:
+        return False, (f"{loaded} loads, but PyTorch is a {p.backend.upper()} build: the runtime "
+                       f"layer must bind the {p.backend.upper()} runtime (check GFXGRAPH_LIB)")
+    return True, loaded
+
+
+def config_problems() -> list[str]:
+    """The environment variables read at use (not at import) that hold a bad value, each with why.
+
+    A bad value there raises :class:`ConfigError` where it is used (every
+    ``ShapeBucketPool`` for ``GFXGRAPH_VRAM_CAP``, the runtime layer for the others).
+    """
+    problems = []
+    for read in (read_vram_cap, read_runtime_kind, read_runtime_lib):
+        try:
+            read()
+        except ConfigError as exc:
+            problems.append(str(exc))
+    return problems
 
 
 def _graph_round_trip() -> dict[str, Any]:
@@ -54,10 +84,23 @@ def health_check() -> dict[str, Any]:
 
     Keys: ``ok``, ``gpu``, ``arch`` (``rocm``: its older name, kept), ``backend``
     (``"cuda"``, ``"hip"`` or None), ``native_bridge``, ``vram_total_mb``,
-    ``vram_free_mb``, ``torch``, ``runtime_version``, ``details`` (a list of
-    human-readable findings; when ``ok`` is False the first says why).
+    ``vram_free_mb``, ``torch``, ``runtime_version``, ``config_errors`` (bad
+    ``GFXGRAPH_VRAM_CAP``/``GFXGRAPH_RUNTIME``/``GFXGRAPH_LIB`` values: any makes
+    ``ok`` False), ``details`` (a list of human-readable findings; when ``ok``
+    is False the first says why).
     Cost: on a GPU, one small capture and three replays (milliseconds).
     """
+    report = _device_report()
+    problems = config_problems()
+    report["config_errors"] = problems
+    if problems:
+        report["ok"] = False
+        report["details"][:0] = [f"configuration: {why}" for why in problems]
+    return report
+
+
+def _device_report() -> dict[str, Any]:
+    """The device part of :func:`health_check`: platform, native bridge, the graph round trip."""
     p = probe()
     native, native_detail = native_bridge_available()
     report: dict[str, Any] = {

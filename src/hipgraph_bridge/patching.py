@@ -20,7 +20,7 @@ import torch.cuda.graphs
 from . import config, stats
 from .compat.graph import BridgedCUDAGraph
 from .compile.backend import register as register_compile_backend
-from .log import logger
+from .log import attach_stderr_handler, detach_stderr_handler, logger
 
 __all__ = ["enable", "disable", "is_enabled"]
 
@@ -29,6 +29,7 @@ _TARGETS: tuple[tuple[ModuleType, str], ...] = ((torch.cuda, "CUDAGraph"), (torc
 _lock = threading.RLock()
 _originals: dict[tuple[str, str], object] = {}
 _level_before_debug: int | None = None  # the logger's level before enable(debug=True), restored by disable()
+_handler_by_debug = False  # enable(debug=True) attached the stderr handler; disable() detaches it
 _atexit_registered = False
 
 
@@ -38,13 +39,15 @@ def enable(*, debug: bool = False, validate: bool = False) -> None:
     Idempotent: a second call keeps the patch and updates ``debug``/``validate``.
 
     Args:
-        debug: log every capture, fallback and replay failure at DEBUG level
-            (the ``gfxgraph`` logger's level is put back by :func:`disable`).
+        debug: log every capture, fallback and replay failure at DEBUG level,
+            printed on stderr unless the application configured logging (the
+            ``gfxgraph`` logger's level and that stderr handler are put back by
+            :func:`disable`).
         validate: high-level replays (``capture(model_fn=...)``, ``ShapeBucketPool``)
             also run eagerly, compare with dtype-aware tolerances, count
             mismatches and return the eager result. Costs one eager run per replay.
     """
-    global _atexit_registered, _level_before_debug
+    global _atexit_registered
     if not isinstance(debug, bool) or not isinstance(validate, bool):
         raise TypeError(f"enable(): debug and validate must be bools, got debug={debug!r}, validate={validate!r}")
     with _lock:
@@ -54,12 +57,7 @@ def enable(*, debug: bool = False, validate: bool = False) -> None:
                 setattr(module, name, BridgedCUDAGraph)
             stats.set_enabled_at(time.time())
         config.set_switches(enabled=True, debug=debug, validate=validate)
-        if debug and _level_before_debug is None:
-            _level_before_debug = logger.level
-            logger.setLevel(logging.DEBUG)
-        elif not debug and _level_before_debug is not None:
-            logger.setLevel(_level_before_debug)
-            _level_before_debug = None
+        _set_debug_logging(debug)
         if not _atexit_registered:
             atexit.register(_at_exit)
             _atexit_registered = True
@@ -72,7 +70,6 @@ def enable(*, debug: bool = False, validate: bool = False) -> None:
 
 def disable() -> None:
     """Undo :func:`enable`: put back the exact objects it replaced, and the logger's level. Idempotent."""
-    global _level_before_debug
     with _lock:
         if not _originals:
             return
@@ -85,10 +82,23 @@ def disable() -> None:
                                "leaving it as it is", module.__name__, name)
         config.set_switches(enabled=False, debug=False, validate=False)
         stats.set_enabled_at(None)
-        if _level_before_debug is not None:
-            logger.setLevel(_level_before_debug)
-            _level_before_debug = None
+        _set_debug_logging(False)
     logger.debug("gfxgraph disabled")
+
+
+def _set_debug_logging(debug: bool) -> None:
+    """Turn debug logging on (DEBUG level, records on stderr) or back to what it was (under ``_lock``)."""
+    global _level_before_debug, _handler_by_debug
+    if debug and _level_before_debug is None:
+        _level_before_debug = logger.level
+        logger.setLevel(logging.DEBUG)
+        _handler_by_debug = attach_stderr_handler()
+    elif not debug and _level_before_debug is not None:
+        logger.setLevel(_level_before_debug)
+        _level_before_debug = None
+        if _handler_by_debug:
+            detach_stderr_handler()
+            _handler_by_debug = False
 
 
 def is_enabled() -> bool:

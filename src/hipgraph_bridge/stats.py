@@ -20,7 +20,7 @@ import time
 import weakref
 from typing import Any
 
-from .log import forget_logged, log_once
+from .log import fallback_logger, forget_logged, log_once
 
 __all__ = [
     "REPLAY_SAMPLE_EVERY",
@@ -156,7 +156,12 @@ def record_capture_failure() -> None:
 
 
 def record_fallback(reason: str, detail: str = "", *, level: int = logging.WARNING) -> None:
-    """Count one eager fallback under ``reason``; log it once per (reason, detail)."""
+    """Count one eager fallback under ``reason``; log it once per (reason, detail).
+
+    The notice goes to the ``gfxgraph.fallback`` logger, at WARNING unless the
+    cause is an expected one (``level``): with logging unconfigured it reaches
+    stderr through ``logging.lastResort``.
+    """
     with _reg.lock:
         _reg.fallback_reasons[reason] = _reg.fallback_reasons.get(reason, 0) + 1
     log_once(
@@ -165,6 +170,7 @@ def record_fallback(reason: str, detail: str = "", *, level: int = logging.WARNI
         "gfxgraph: running eagerly (reason: %s)%s",
         reason,
         f": {detail}" if detail else "",
+        target=fallback_logger,
     )
 
 

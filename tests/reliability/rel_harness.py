@@ -33,7 +33,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 SRC = REPO / "src"
 WORKER = HERE / "rel_worker.py"
-_CLEARED_ENV = ("GFXGRAPH", "GFXGRAPH_VRAM_CAP", "GFXGRAPH_LIB", "GFXGRAPH_RUNTIME", "HGB_LOG_LEVEL")
+_CLEARED_ENV = ("GFXGRAPH", "GFXGRAPH_VRAM_CAP", "GFXGRAPH_LIB", "GFXGRAPH_RUNTIME", "GFXGRAPH_LOG_LEVEL",
+                "HGB_LOG_LEVEL")
 NOT_PASSING = ("fail", "abort", "hang", "crash", "silent_wrong")
 
 
