@@ -58,7 +58,9 @@ from .capabilities import (
     capabilities_of,
     current_capabilities,
     detect_rocm_version,
+    first_version,
     forget_detected_versions,
+    identify,
 )
 from .capability_report import capability_lines, capability_report, machine_capabilities
 from ._select import current_runtime, get_runtime, reset_runtime_cache, resolve_runtime, torch_build
@@ -76,7 +78,9 @@ __all__ = [
     "capabilities_of",
     "current_capabilities",
     "detect_rocm_version",
+    "first_version",
     "forget_detected_versions",
+    "identify",
     "capability_lines",
     "capability_report",
     "machine_capabilities",
