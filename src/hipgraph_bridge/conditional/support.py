@@ -16,7 +16,7 @@ from typing import Any
 
 from ..log import logger
 from ..platform import probe
-from ..runtime import Version, capabilities_for, first_version, get_runtime
+from ..runtime import Version, capabilities_for, current_capabilities, first_version, get_runtime
 from .kernels import nvrtc_unavailable_reason
 
 __all__ = ["ConditionalSupport", "conditional_support", "choose_strategy"]
@@ -71,9 +71,11 @@ def _probe_support() -> ConditionalSupport:
     plat = probe()
     if plat.backend is None:
         return none(plat.reason or "no GPU")
-    if first_version(plat.backend, "conditional_while") is None \
-            and first_version(plat.backend, "conditional_branches") is None:  # HIP: no version has them
-        return none(capabilities_for(plat.backend, None).rule("conditional_branches").note)
+    built = current_capabilities()  # the table's row for this process (PyTorch's build)
+    backend = built.backend if built is not None else plat.backend
+    if first_version(backend, "conditional_while") is None \
+            and first_version(backend, "conditional_branches") is None:  # HIP: no version has them
+        return none(capabilities_for(backend, None).rule("conditional_branches").note)
     try:
         rt = get_runtime("cuda-bindings")
     except Exception as exc:  # missing binding: the message names the extra to install
