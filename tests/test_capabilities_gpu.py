@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hipgraph_bridge import GraphCapture, GraphCaptureError, OriginalCUDAGraph
+from hipgraph_bridge import GraphCapture, OriginalCUDAGraph
 from hipgraph_bridge.compose.compositor import GraphCompositor
 from hipgraph_bridge.compose.exec_update import UpdatableGraph
 from hipgraph_bridge.conditional import ConditionalGraph, DeviceWhileLoop, LoopCondition
