@@ -277,14 +277,45 @@ class Capabilities:
         name = "ROCm" if self.backend == "hip" else "CUDA"
         return f"{name} {self.version}" if self.version is not None else f"{name} (version unknown)"
 
-    conditional_while = property(lambda self: bool(self.rule("conditional_while").value))
-    conditional_branches = property(lambda self: bool(self.rule("conditional_branches").value))
-    exec_update = property(lambda self: bool(self.rule("exec_update").value))
-    child_graph_update = property(lambda self: bool(self.rule("child_graph_update").value))
-    capture_errors_raised = property(lambda self: bool(self.rule("capture_errors_raised").value))
-    toggle_node_types = property(lambda self: tuple(self.rule("toggle_node_types").value))
-    toggle_in_flight = property(lambda self: bool(self.rule("toggle_in_flight").value))
-    device_launch = property(lambda self: bool(self.rule("device_launch").value))
+    @property
+    def conditional_while(self) -> bool:
+        """Native WHILE and one-body IF nodes (else: the host-driven loop)."""
+        return bool(self.rule("conditional_while").value)
+
+    @property
+    def conditional_branches(self) -> bool:
+        """Native IF/ELSE and SWITCH nodes (else: per-branch dispatch or supergraph)."""
+        return bool(self.rule("conditional_branches").value)
+
+    @property
+    def exec_update(self) -> bool:
+        """``GraphExecUpdate`` may be used in place (else: re-instantiate)."""
+        return bool(self.rule("exec_update").value)
+
+    @property
+    def child_graph_update(self) -> bool:
+        """A child graph may be hot-swapped in place (else: rebuild, re-instantiate)."""
+        return bool(self.rule("child_graph_update").value)
+
+    @property
+    def capture_errors_raised(self) -> bool:
+        """The runtime raises at capture-unsafe calls (else: check capture status)."""
+        return bool(self.rule("capture_errors_raised").value)
+
+    @property
+    def toggle_node_types(self) -> tuple[int, ...]:
+        """The node types ``GraphNodeSetEnabled`` can disable."""
+        return tuple(self.rule("toggle_node_types").value)
+
+    @property
+    def toggle_in_flight(self) -> bool:
+        """A node toggle leaves launches in flight alone (else: wait for the last one)."""
+        return bool(self.rule("toggle_in_flight").value)
+
+    @property
+    def device_launch(self) -> bool:
+        """Device-side graph launch is used (else: the host launch pipeline)."""
+        return bool(self.rule("device_launch").value)
 
 
 def _issues(backend: str, version: Version | None, arch: str | None) -> tuple[tuple[KnownIssue, bool], ...]:
