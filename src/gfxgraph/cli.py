@@ -32,6 +32,7 @@ from gfxgraph.bench import render_results, run_bench
 from hipgraph_bridge.config import read_enable_mode
 from hipgraph_bridge.log import attach_stderr_handler, logger
 from hipgraph_bridge.platform import probe
+from hipgraph_bridge.runtime.capability_report import capability_report
 
 _COMMANDS = ("run", "doctor", "version", "bench")
 _RUN_FLAGS = {
@@ -148,6 +149,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_doctor(args: argparse.Namespace) -> int:
     _configure_logging(None)
     report = gfxgraph.health_check()
+    report["capabilities"] = capability_report()  # the capability table for this machine, with warnings
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:
@@ -158,6 +160,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
                 print(f"  {key:16s} {report[key]}")
         for line in report["details"]:
             print(f"  - {line}")
+        for line in report["capabilities"]["lines"]:
+            print(f"  {line}")
     return 1 if (args.strict and not report["ok"]) else 0
 
 

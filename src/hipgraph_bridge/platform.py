@@ -14,7 +14,7 @@ import torch
 
 from .errors import GraphsUnavailableError
 
-__all__ = ["Platform", "Backend", "probe", "require_gpu", "torch_build_version"]
+__all__ = ["Platform", "Backend", "probe", "require_gpu", "torch_build_version", "torch_rocm_version"]
 
 Backend = Literal["cuda", "hip"]
 
@@ -31,6 +31,13 @@ def torch_build_version() -> tuple[Backend | None, str | None]:
     if cuda:
         return "cuda", str(cuda)
     return None, None
+
+
+def torch_rocm_version() -> str | None:
+    """``torch.version.rocm``: the ROCm release PyTorch was built for, distinct from HIP's own
+    version since pytorch#168097 (None on older PyTorch and on non-ROCm builds). Read on each call."""
+    rocm = getattr(torch.version, "rocm", None)
+    return str(rocm) if rocm else None
 
 
 @dataclass(frozen=True)

@@ -53,9 +53,10 @@ import torch
 from ..errors import GraphRuntimeError
 from ..graph.bridged import SafeCUDAGraph
 from ..graph.capture import side_stream
-from ..log import logger
+from ..log import log_once, logger
 from ..platform import require_gpu
-from ..runtime import Graph, GraphExec, GraphNode, Runtime, as_graph, resolve_runtime, stream_handle
+from ..runtime import Graph, GraphExec, GraphNode, Runtime, as_graph, capabilities_of, resolve_runtime, \
+    stream_handle
 
 __all__ = ["GraphCompositor", "CompositorState", "SwapResult", "StageCapture", "SwapStrategy",
            "validate_dag"]
@@ -165,7 +166,9 @@ class GraphCompositor:
         runtime: a :class:`Runtime`, a kind (``"cuda-bindings"``, ``"ctypes"``)
             or None for the current runtime.
         swap: ``"auto"`` updates a swapped child in place when the runtime
-            allows; ``"reinstantiate"`` always rebuilds (the fallback, forced).
+            allows and the capability table trusts it (not on HIP, where each
+            in-place swap takes kernel-argument space that is never reclaimed);
+            ``"reinstantiate"`` always rebuilds (the fallback, forced).
         upload: upload the executable at instantiation (first launch is not slower).
     """
 
@@ -387,7 +390,8 @@ class GraphCompositor:
 
         Waits for the last launch, then gives the child node the new graph's
         parameters in the executable (no re-instantiation) when the runtime
-        allows it: same topology and node order as the child it replaces.
+        allows it (same topology and node order as the child it replaces) and
+        the capability table trusts it (not on HIP).
         Otherwise the parent is rebuilt and re-instantiated (uploaded on
         ``stream``) and the runtime's reason is logged and returned. The new
         child must write the tensors later children read (they read by address).
@@ -399,8 +403,12 @@ class GraphCompositor:
         exec_ = self.exec
         exec_.wait_idle()
         reason: str | None
+        caps = capabilities_of(self._rt)
         if self._swap == "reinstantiate":
             reason = "swap='reinstantiate' was requested"
+        elif not caps.child_graph_update:  # HIP: each in-place swap takes kernel-argument space for good
+            reason = (f"{self._rt.prefix}GraphExecChildGraphNodeSetParams is not used on {caps.label}: "
+                      f"{caps.why('child_graph_update')}")
         elif not self._rt.capabilities.child_graph_update:
             reason = (f"{self._rt.prefix}GraphExecChildGraphNodeSetParams is not available in "
                       f"{self._rt.binding}")
@@ -424,7 +432,11 @@ class GraphCompositor:
         old_exec.close()  # type: ignore[union-attr]
         old_parent.close()  # type: ignore[union-attr]
         result = SwapResult(name, "reinstantiate", reason, time.perf_counter() - t0)
-        level = logging.DEBUG if self._swap == "reinstantiate" else logging.INFO
+        by_table = self._swap != "reinstantiate" and not caps.child_graph_update
+        if by_table:  # the same reason every swap: once at INFO
+            log_once(("hot_swap", "table", caps.label), logging.INFO,
+                     "gfxgraph: the compositor re-instantiates to swap children: %s", reason)
+        level = logging.DEBUG if self._swap == "reinstantiate" or by_table else logging.INFO
         logger.log(level, "gfxgraph: compositor re-instantiated to swap child %r: %s", name, reason)
         self.reinstantiations += 1
         self.last_swap = result

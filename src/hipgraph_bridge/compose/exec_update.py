@@ -12,7 +12,11 @@ returned.
 * :class:`UpdatableGraph`: an executable graph you launch and re-capture in place.
 
 Both strategies run the same code on CUDA and HIP; ``strategy="reinstantiate"``
-forces the fallback so it is tested on any hardware.
+forces the fallback so it is tested on any hardware. ``"auto"`` asks the
+capability table first (:mod:`hipgraph_bridge.runtime.capabilities`): on HIP
+it re-instantiates, because ``hipGraphExecUpdate`` has reported silent stale
+updates, a kernel-argument leak and a quadratic cost, and no ROCm release is
+known to carry the fixes.
 """
 
 from __future__ import annotations
@@ -26,9 +30,9 @@ from typing import Any, Literal
 
 from ..graph.bridged import SafeCUDAGraph
 from ..graph.capture import side_stream
-from ..log import logger
+from ..log import log_once, logger
 from ..platform import require_gpu
-from ..runtime import Graph, GraphExec, Runtime, as_graph, resolve_runtime, stream_handle
+from ..runtime import Graph, GraphExec, Runtime, as_graph, capabilities_of, resolve_runtime, stream_handle
 
 __all__ = ["UpdateResult", "UpdateStrategy", "apply_update", "check_update_strategy",
            "UpdatableGraph", "Recapture"]
@@ -73,8 +77,9 @@ def apply_update(exec_: GraphExec, graph: Graph, *, strategy: UpdateStrategy = "
     updated in place, or a new one (``exec_`` is then closed; it was idle).
 
     Args:
-        strategy: ``"auto"`` tries ``GraphExecUpdate`` first; ``"reinstantiate"``
-            forces a new instantiation (the fallback path).
+        strategy: ``"auto"`` tries ``GraphExecUpdate`` first where the capability
+            table trusts it (not on HIP: see the module docstring);
+            ``"reinstantiate"`` forces a new instantiation (the fallback path).
         flags: instantiate flags for a re-instantiation.
         upload_stream: when given, a new executable is uploaded on it.
     """
@@ -83,8 +88,13 @@ def apply_update(exec_: GraphExec, graph: Graph, *, strategy: UpdateStrategy = "
     t0 = time.perf_counter()
     exec_.wait_idle()
     result: str | None = None
+    caps = capabilities_of(rt)
+    by_table = False
     if strategy == "reinstantiate":
         reason = "strategy='reinstantiate' was requested"
+    elif not caps.exec_update:
+        reason = f"{rt.prefix}GraphExecUpdate is not used on {caps.label}: {caps.why('exec_update')}"
+        by_table = True
     elif not rt.capabilities.exec_update:
         reason = f"{rt.prefix}GraphExecUpdate is not available in {rt.binding}"
     else:
@@ -98,9 +108,14 @@ def apply_update(exec_: GraphExec, graph: Graph, *, strategy: UpdateStrategy = "
                             track_completion=exec_.tracks_completion)
     exec_.close()
     seconds = time.perf_counter() - t0
-    level = logging.DEBUG if strategy == "reinstantiate" else logging.INFO
-    logger.log(level, "gfxgraph: re-instantiated the executable graph instead of updating it: %s",
-               reason)
+    if by_table:  # the same reason every time: once at INFO, then at DEBUG
+        if not log_once(("exec_update", "table", caps.label), logging.INFO,
+                        "gfxgraph: re-instantiating executable graphs instead of updating them: %s", reason):
+            logger.debug("gfxgraph: re-instantiated the executable graph: %s", reason)
+    else:
+        level = logging.DEBUG if strategy == "reinstantiate" else logging.INFO
+        logger.log(level, "gfxgraph: re-instantiated the executable graph instead of updating it: %s",
+                   reason)
     return new, UpdateResult("reinstantiate", result, reason, seconds)
 
 

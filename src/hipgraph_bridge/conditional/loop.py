@@ -25,14 +25,15 @@ Workflow::
 4. ``max_iters`` caps the iterations on every strategy.
 
 Strategies (:attr:`DeviceWhileLoop.strategy`), chosen by one cached probe
-(:func:`~.support.conditional_support`):
+(:func:`~.support.conditional_support`) that reads the capability table
+(:mod:`hipgraph_bridge.runtime.capabilities`, row ``conditional_while``):
 
 * ``"native"`` (CUDA >= 12.4): a WHILE node; the setter kernel counts the
   iteration, evaluates the condition and stops at the cap, all on the device.
   A run is one graph launch and no host sync.
-* ``"host"`` (HIP, forcible on CUDA): the body and the condition captured as
-  one step graph; the host replays it and reads the condition (one sync per
-  iteration).
+* ``"host"`` (HIP, which has no conditional nodes up to ROCm 7.2: ROCm/hip#3905;
+  forcible on CUDA): the body and the condition captured as one step graph;
+  the host replays it and reads the condition (one sync per iteration).
 * ``"eager"``: no GPU graphs (CPU-only PyTorch) or a failed capture.
 
 What it will not do: nest loops on the native path, run random-number ops in

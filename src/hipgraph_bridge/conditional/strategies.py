@@ -9,7 +9,9 @@ and :meth:`DeviceSelected.launch` runs the selected branch of it:
 * :class:`SupergraphSelect` (the HIP emulation, forcible on CUDA): one flat
   graph holding every branch; after one host read of the selector, the nodes
   of the other branches are disabled (``GraphNodeSetEnabled``, only when the
-  choice changes) and the graph is launched.
+  choice changes) and the graph is launched. Which node types may be disabled,
+  and whether a toggle must wait for the launch in flight, are the capability
+  table's answers (:mod:`hipgraph_bridge.runtime.capabilities`).
 
 The third strategy, per-branch dispatch (one host read, then the chosen
 branch's own graph), needs no graph of its own: it is
@@ -29,13 +31,11 @@ from .._torch_compat import pytree
 from ..graph.bridged import SafeCUDAGraph
 from ..graph.capture import warm_up
 from ..log import log_once
-from ..runtime import NODE_EMPTY, NODE_KERNEL, NODE_MEMCPY, NODE_MEMSET, Runtime
+from ..runtime import NODE_EMPTY, Runtime, capabilities_of
 from .native_nodes import BodyPool, NativeConditional
 
 __all__ = ["CaptureSite", "DeviceSelected", "NativeSelect", "SupergraphSelect", "StrategyUnavailable",
            "output_layout", "zeros_like_layout", "describe_layout", "zero_tree", "selector_kind", "host_choice"]
-
-_TOGGLED = (NODE_KERNEL, NODE_MEMCPY, NODE_MEMSET)
 
 
 def output_layout(tree: Any) -> tuple[Any, tuple[Any, ...]]:
@@ -160,8 +160,9 @@ class SupergraphSelect:
         self.graph, self.outputs, self._rt, self._segments = graph, outputs, runtime, segments
         self._exec = int(graph.raw_cuda_graph_exec())
         self._active = -1  # the enabled segment (-1: all enabled)
-        # HIP does not document toggling an executable graph in flight: wait for the last launch there
-        self._done = torch.cuda.Event() if runtime.name == "hip" else None
+        # CUDA documents that a toggle leaves launches in flight alone; HIP's documentation does not
+        # say so, so there a toggle first waits for the last launch (the table's toggle_in_flight).
+        self._done = None if capabilities_of(runtime).toggle_in_flight else torch.cuda.Event()
 
     @classmethod
     def capture(cls, site: CaptureSite, bodies: Sequence[Callable[[], None]], outputs: Any,
@@ -183,7 +184,8 @@ class SupergraphSelect:
         if int(g.raw_cuda_graph()) != graph:
             raise StrategyUnavailable("the captured graph is not the one whose nodes were recorded")
         g.instantiate()
-        return cls(g, outputs, rt, [_toggled_nodes(rt, group) for group in groups])
+        toggled = capabilities_of(rt).toggle_node_types
+        return cls(g, outputs, rt, [_toggled_nodes(rt, group, toggled) for group in groups])
 
     def launch(self, selector: torch.Tensor, host_choice: Callable[[], int]) -> None:
         choice = host_choice()
@@ -203,11 +205,13 @@ class SupergraphSelect:
         self.graph.reset()
 
 
-def _toggled_nodes(rt: Runtime, nodes: list[int]) -> list[int]:
+def _toggled_nodes(rt: Runtime, nodes: list[int], toggled: tuple[int, ...]) -> list[int]:
+    """The nodes of one branch that disabling must reach; refuses a branch holding a node type that
+    GraphNodeSetEnabled cannot disable (``toggled``: kernel, memcpy and memset on CUDA and HIP alike)."""
     out = []
     for n in nodes:
         t = rt.node_type(n)
-        if t in _TOGGLED:
+        if t in toggled:
             out.append(n)
         elif t != NODE_EMPTY:
             raise StrategyUnavailable(

@@ -2,7 +2,9 @@
 
 Every choice between a native strategy (CUDA conditional nodes) and its
 emulation (dispatch, supergraph, host loop) reads :func:`conditional_support`
-through :func:`choose_strategy`.
+through :func:`choose_strategy`. Which versions have which nodes is the
+capability table's answer (:mod:`hipgraph_bridge.runtime.capabilities`); the
+probe adds what the table cannot know: the binding, the driver and NVRTC.
 """
 
 from __future__ import annotations
@@ -14,18 +16,19 @@ from typing import Any
 
 from ..log import logger
 from ..platform import probe
-from ..runtime import HIP_NO_CONDITIONAL, get_runtime
+from ..runtime import Version, capabilities_for, current_capabilities, first_version, get_runtime
 from .kernels import nvrtc_unavailable_reason
 
-__all__ = ["ConditionalSupport", "conditional_support", "choose_strategy", "MIN_WHILE_VERSION",
-           "MIN_SWITCH_VERSION"]
-
-MIN_WHILE_VERSION = 12040  # IF with one body and WHILE, captured into a running capture
-MIN_SWITCH_VERSION = 12080  # IF with two bodies (IF/ELSE) and SWITCH
+__all__ = ["ConditionalSupport", "conditional_support", "choose_strategy"]
 
 
 def _version_text(v: int) -> str:
     return f"{v // 1000}.{(v % 1000) // 10}" if v else "unknown"
+
+
+def _threshold(capability: str) -> str:
+    v = first_version("cuda", capability)
+    return f"{v.major}.{v.minor}" if v is not None else "an unreleased version"
 
 
 @dataclass(frozen=True)
@@ -68,30 +71,32 @@ def _probe_support() -> ConditionalSupport:
     plat = probe()
     if plat.backend is None:
         return none(plat.reason or "no GPU")
-    if plat.backend == "hip":
-        return none(HIP_NO_CONDITIONAL)
+    built = current_capabilities()  # the table's row for this process (PyTorch's build)
+    backend = built.backend if built is not None else plat.backend
+    if first_version(backend, "conditional_while") is None \
+            and first_version(backend, "conditional_branches") is None:  # HIP: no version has them
+        return none(capabilities_for(backend, None).rule("conditional_branches").note)
     try:
         rt = get_runtime("cuda-bindings")
     except Exception as exc:  # missing binding: the message names the extra to install
         return none(f"native conditional nodes need cuda-bindings: {exc}")
     missing = rt.conditional_nodes_reason()
-    caps = rt.capabilities
-    drv, rtv = caps.driver_version, caps.runtime_version
+    drv, rtv = rt.capabilities.driver_version, rt.capabilities.runtime_version
     if missing:
         return none(missing, drv, rtv)
     why = nvrtc_unavailable_reason()
     if why:
         return none(f"the value-setter kernels need NVRTC: {why}", drv, rtv)
-    version = min(drv, rtv)
-    has_switch = rt.binds_switch_nodes()
-    while_ok = version >= MIN_WHILE_VERSION
-    branch_ok = version >= MIN_SWITCH_VERSION and has_switch
+    # Both the driver and the runtime must have a node type: the table is read at the lower version.
+    caps = capabilities_for("cuda", Version.from_cuda_int(min(drv, rtv)))
+    while_ok = caps.conditional_while
+    branch_ok = caps.conditional_branches and rt.binds_switch_nodes()
     reason = None
     if not branch_ok:
-        reason = (f"IF/ELSE and SWITCH nodes need CUDA >= {_version_text(MIN_SWITCH_VERSION)} in both the "
+        reason = (f"IF/ELSE and SWITCH nodes need CUDA >= {_threshold('conditional_branches')} in both the "
                   f"driver ({_version_text(drv)}) and the runtime ({_version_text(rtv)})")
         if not while_ok:
-            reason += f"; WHILE needs >= {_version_text(MIN_WHILE_VERSION)}"
+            reason += f"; WHILE needs >= {_threshold('conditional_while')}"
     return ConditionalSupport(while_ok, branch_ok, branch_ok, drv, rtv, reason)
 
 

@@ -22,6 +22,13 @@ exception propagates) or call :meth:`begin`/:meth:`end` yourself (what
 6. count the failure, log it.
 
 Afterwards the next capture, on any stream, and eager random ops work.
+
+Where the runtime does not raise during capture (HIP before ROCm 7.14; the
+capability table's ``capture_errors_raised``), a capture also checks the
+stream's capture status where CUDA would have raised: right after
+``capture_begin`` and before ``capture_end``. A capture the runtime no longer
+reports as active is discarded with :class:`GraphCaptureError` instead of
+ending as a graph that misses work.
 """
 
 from __future__ import annotations
@@ -43,8 +50,8 @@ from ..errors import GraphCaptureError
 from ..log import logger
 from ..runtime import capture_owner, register_capture, unregister_capture
 from .liveness import InputLiveness
-from .recovery import end_stream_capture, rearm_generators, release_capture_pool, stream_is_capturing, \
-    synchronize_quietly
+from .recovery import capture_lost_reason, end_stream_capture, rearm_generators, release_capture_pool, \
+    runtime_capture_status, runtime_checks_capture, stream_is_capturing, synchronize_quietly
 
 __all__ = ["GraphCapture", "CaptureState", "CAPTURE_MODES", "check_capture_mode", "capture_on_stream", "add_hint",
            "side_stream", "frozen_gc", "warm_up", "record_on_current_stream"]
@@ -115,12 +122,17 @@ class GraphCapture:
             replay can refuse to run after one was freed (:attr:`liveness`). PyTorch's
             own ``check_input_liveness`` where the installed torch has it, else
             :class:`~.liveness.InputLiveness`.
+        check_capture_status: check the stream's capture status after begin and before
+            end (one runtime query each). None (default): where the capability table says
+            the runtime does not raise during capture (HIP before ROCm 7.14); True forces
+            the check (the HIP path, run on CUDA).
         capture_kwargs: further ``capture_begin`` arguments of the installed PyTorch.
     """
 
     def __init__(self, graph: Any, *, pool: Any = None, stream: torch.cuda.Stream | None = None,
                  capture_error_mode: str = "thread_local", generators: Sequence[torch.Generator] = (),
-                 freeze_gc: bool = False, track_inputs: bool = False, **capture_kwargs: Any) -> None:
+                 freeze_gc: bool = False, track_inputs: bool = False, check_capture_status: bool | None = None,
+                 **capture_kwargs: Any) -> None:
         if not isinstance(graph, OriginalCUDAGraph):
             raise TypeError(f"graph: expected a torch.cuda.CUDAGraph, got {type(graph).__name__}")
         if pool is not None and not (isinstance(pool, tuple) and len(pool) == 2
@@ -137,6 +149,8 @@ class GraphCapture:
         self.seconds = 0.0
         self.liveness: InputLiveness | None = None
         self._freeze_gc = freeze_gc
+        self._check_status = not runtime_checks_capture() if check_capture_status is None \
+            else bool(check_capture_status)
         self._kwargs = capture_kwargs
         if track_inputs and has_check_input_liveness:
             self._kwargs.setdefault("check_input_liveness", True)
@@ -188,6 +202,8 @@ class GraphCapture:
         except BaseException as exc:
             self.discard(f"capture_begin failed: {exc}")
             raise add_hint(exc, _begin_hint(exc, self.pool)) from None
+        if self._check_status:
+            self._require_active("after capture_begin")
         if self.liveness is not None:
             self.liveness.__enter__()
             self._liveness_active = True
@@ -210,6 +226,8 @@ class GraphCapture:
         assert stream is not None  # set by begin()
         on_stream = torch.cuda.current_stream() == stream
         self._stop_liveness()
+        if self._check_status:
+            self._require_active("at capture_end")
         try:
             OriginalCUDAGraph.capture_end(self._target())
         except BaseException as exc:
@@ -226,6 +244,16 @@ class GraphCapture:
         self.state = CaptureState.ENDED
         self.seconds = time.perf_counter() - self._t0
         stats.record_capture(self.seconds)
+
+    def _require_active(self, when: str) -> None:
+        """Where CUDA would have raised: discard a capture the runtime no longer reports as active."""
+        stream = self.stream
+        assert stream is not None  # set by begin()
+        reason = capture_lost_reason(runtime_capture_status(stream), f"of stream {stream.cuda_stream:#x} {when}")
+        if reason is not None:
+            self.discard(reason)
+            raise GraphCaptureError(f"{reason}. gfxgraph ended and discarded the capture; the stream is usable "
+                                    "again")
 
     def _stop_liveness(self) -> None:
         if self.liveness is not None and self._liveness_active:

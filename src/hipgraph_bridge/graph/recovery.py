@@ -13,10 +13,43 @@ import torch
 
 from .._torch_compat import OriginalCUDAGraph, end_allocate_to_pool
 from ..log import logger
-from ..runtime import captures_live, current_runtime
+from ..runtime import captures_live, current_capabilities, current_runtime
 
 __all__ = ["stream_is_capturing", "end_stream_capture", "release_capture_pool", "synchronize_quietly",
-           "rearm_generators"]
+           "rearm_generators", "runtime_checks_capture", "runtime_capture_status", "capture_lost_reason"]
+
+_STATUS_NAMES = {0: "not capturing", 1: "active", 2: "invalidated"}
+
+
+def runtime_checks_capture() -> bool:
+    """Whether the runtime raises at capture-unsafe calls, so a capture that survives to its end is whole.
+
+    False on HIP before ROCm 7.14 (the capability table's ``capture_errors_raised``,
+    https://github.com/pytorch/pytorch/pull/187110): gfxgraph then checks the capture
+    status itself where CUDA would have raised. Cost: a cached lookup.
+    """
+    caps = current_capabilities()
+    return caps is None or caps.capture_errors_raised
+
+
+def runtime_capture_status(stream: torch.cuda.Stream) -> int | None:
+    """The runtime's capture status of ``stream`` (0 none, 1 active, 2 invalidated); None when
+    no runtime binding loads (nothing can be checked then)."""
+    try:
+        return int(current_runtime().stream_capture_status(stream.cuda_stream))
+    except Exception as exc:
+        logger.debug("gfxgraph: could not read the capture status of stream %#x: %s", stream.cuda_stream, exc)
+        return None
+
+
+def capture_lost_reason(status: int | None, when: str) -> str | None:
+    """Why a capture that should be active is not (None: it is active, or the status is unknown)."""
+    if status is None or status == 1:
+        return None
+    return (f"the runtime reports the capture {when} as {_STATUS_NAMES.get(status, f'status {status}')} "
+            "without having raised an error: HIP before ROCm 7.14 does not report errors during capture "
+            "(https://github.com/pytorch/pytorch/pull/187110), so the graph would miss work. A common cause is "
+            "a call that is not allowed while capturing (a synchronous copy, a stream or event query)")
 
 
 def stream_is_capturing(stream: torch.cuda.Stream) -> bool:

@@ -7,6 +7,10 @@ Two backends behind one handle-level interface (:class:`Runtime`):
   on ROCm, and the very same code over ``libcudart`` on CUDA, so the HIP code
   path is exercised on NVIDIA hardware.
 
+:mod:`.capabilities` holds the one table of what each backend and version
+can be trusted to do (every entry with its source); strategy code asks it
+instead of comparing versions.
+
 On top, Pythonic owners of handles: :class:`Graph` (builder),
 :class:`GraphExec` (executable), :class:`GraphNode`, :class:`Event`.
 
@@ -42,10 +46,44 @@ from ._base import (
 from ._captures import capture_owner, captures_live, register_capture, unregister_capture
 from ._cuda_bindings import INSTALL_HINT
 from ._lifetime import deferred_count, drain_deferred
+from .capabilities import (
+    CAPABILITIES,
+    ISSUES,
+    TABLE,
+    Capabilities,
+    KnownIssue,
+    Rule,
+    Version,
+    capabilities_for,
+    capabilities_of,
+    current_capabilities,
+    detect_rocm_version,
+    first_version,
+    forget_detected_versions,
+    identify,
+)
+from .capability_report import capability_lines, capability_report, machine_capabilities
 from ._select import current_runtime, get_runtime, reset_runtime_cache, resolve_runtime, torch_build
 from .graph import Event, Graph, GraphExec, GraphNode, as_graph, stream_handle
 
 __all__ = [
+    "Capabilities",
+    "CAPABILITIES",
+    "TABLE",
+    "ISSUES",
+    "Rule",
+    "KnownIssue",
+    "Version",
+    "capabilities_for",
+    "capabilities_of",
+    "current_capabilities",
+    "detect_rocm_version",
+    "first_version",
+    "forget_detected_versions",
+    "identify",
+    "capability_lines",
+    "capability_report",
+    "machine_capabilities",
     "Runtime",
     "RuntimeCaps",
     "RuntimeKind",

@@ -42,17 +42,22 @@ COND_IF, COND_WHILE, COND_SWITCH = 0, 1, 2
 # cudaStreamCaptureModeThreadLocal == hipStreamCaptureModeThreadLocal.
 CAPTURE_MODE_THREAD_LOCAL = 1
 
+# HIP's hipGraphNodeType has no conditional node type and there is no conditional-handle API, on
+# ROCm 7.2 and on clr's develop branch (https://github.com/ROCm/legacy-rocm-build/issues/6398); the
+# feature request is open (https://github.com/ROCm/hip/issues/3905).
 HIP_NO_CONDITIONAL = (
-    "HIP has no conditional graph nodes (IF/ELSE, SWITCH, WHILE) and no capture into an "
-    "existing graph; gfxgraph emulates them there (per-branch dispatch, a supergraph with node "
-    "enable/disable, a host-driven loop)"
+    "HIP has no conditional graph nodes (IF/ELSE, SWITCH, WHILE) up to ROCm 7.2 (ROCm/hip#3905, "
+    "ROCm/legacy-rocm-build#6398); gfxgraph emulates them there: a device-selected branch by per-branch "
+    "dispatch after one host read (or a supergraph with node enable/disable), a loop by the host-driven loop"
 )
 
+# HIP: device-side graph launch was requested in https://github.com/ROCm/hip/issues/3160 and AMD's
+# answer pointed to host-side hipGraphLaunch only.
 DEVICE_LAUNCH_REASON = (
     "device-side graph launch is not built: it needs a kernel that calls cudaGraphLaunch "
     "on the device, i.e. relocatable device code linked against the CUDA device runtime "
-    "(libcudadevrt), which gfxgraph neither ships nor JIT-links yet; HIP has no device-side "
-    "graph launch at all. The host pipeline (upload ahead + double-buffered instances) is "
+    "(libcudadevrt), which gfxgraph neither ships nor JIT-links yet; HIP offers no device-side "
+    "graph launch (ROCm/hip#3160). The host pipeline (upload ahead + double-buffered instances) is "
     "used on both"
 )
 
