@@ -82,10 +82,15 @@ def call_modes(batch: int, bucket: int = 8) -> dict[str, Callable[[], Any]]:
     torch._dynamo.reset()
     backend = torch.compile(torch.nn.Linear(64, 64).cuda(), backend="gfxgraph",
                             options={"buckets": [bucket], "copy_outputs": True})
+    backend_nocopy = torch.compile(torch.nn.Linear(64, 64).cuda(), backend="gfxgraph",
+                                   options={"buckets": [bucket], "copy_outputs": False})
+    dynamo_floor = torch.compile(torch.nn.Linear(64, 64).cuda(), backend="eager")  # dynamo's own cost per call
     ro = torch.compile(torch.nn.Linear(64, 64).cuda(), mode="reduce-overhead")
     modes = {"raw replay": raw.replay, "hand-written loop": hand, "pool": lambda: pool(x),
              "pool copy_outputs=False": lambda: pool_nocopy(x), "pool zero-copy": io.run,
-             "eager": lambda: lin(x), "backend=gfxgraph": lambda: backend(x), "reduce-overhead": lambda: ro(x)}
+             "eager": lambda: lin(x), "backend=gfxgraph": lambda: backend(x),
+             "backend=gfxgraph copy_outputs=False": lambda: backend_nocopy(x),
+             'backend="eager" (dynamo alone)': lambda: dynamo_floor(x), "reduce-overhead": lambda: ro(x)}
     for f in modes.values():  # captures, compiles, the padding check
         for _ in range(5):
             f()
@@ -117,7 +122,11 @@ def part_call_overhead(rounds: int) -> tuple[dict[str, Any], list[dict[str, Any]
                 figure(f"{tag} hand-written loop / zero-copy", hand / us["pool zero-copy"], ">= 3",
                        hand / us["pool zero-copy"] >= 3),
                 figure(f"{tag} backend / reduce-overhead", us["backend=gfxgraph"] / ro, "<= 0.6",
-                       us["backend=gfxgraph"] / ro <= 0.6),
+                       us["backend=gfxgraph"] / ro <= 0.6, note="copy_outputs=True (the default; reduce-overhead "
+                       "returns its static outputs)"),
+                figure(f"{tag} backend copy_outputs=False / reduce-overhead",
+                       us["backend=gfxgraph copy_outputs=False"] / ro, "<= 0.6",
+                       us["backend=gfxgraph copy_outputs=False"] / ro <= 0.6, note="both return static outputs"),
             ]
             del modes
             torch._dynamo.reset()
@@ -177,55 +186,77 @@ def zero_copy_loop(io: Any, first: torch.Tensor, start: int, steps: int) -> tupl
     return time.perf_counter() - t0, toks
 
 
-def decode_case(model: Any, b: int, steps: int, prompt_len: int = 16) -> dict[str, Any]:
+def _setup(label: str, model: Any, b: int, prompt: torch.Tensor, max_len: int) -> dict[str, Any]:
+    """One mode's runner over its own cache; its setup seconds (capture, compile) included."""
+    cache = new_cache(model, b, max_len)
+    first = prefill(model, cache, prompt)
+    step = make_step(model, cache)
+    n = prompt.shape[1]
+    ex = (first.view(b, 1), torch.full((b, 1), n, device="cuda", dtype=torch.long),
+          torch.full((1,), n, device="cuda", dtype=torch.long))
+    gc.collect()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    run: Any = step
+    if label == "hand-written graph":
+        run = HandCaptured(step, b, n)
+    elif label.startswith("pool"):
+        pool = ShapeBucketPool(step, [b], static_args=[2], stateful=True, progress=False, copy_outputs=False)
+        pool.capture_all(*ex)
+        run = pool.static_io(b) if label == "pool zero-copy" else pool
+    elif label != "eager":
+        run = (torch.compile(step, backend="gfxgraph", options={"copy_outputs": False})
+               if label == "backend=gfxgraph" else torch.compile(step, mode="reduce-overhead"))
+        for _ in range(3):
+            run(*ex)
+    torch.cuda.synchronize()
+    return {"run": run, "cache": cache, "setup_s": time.perf_counter() - t0, "times": []}
+
+
+def _decode_once(m: dict[str, Any], label: str, model: Any, prompt: torch.Tensor, steps: int) -> list:
+    m["cache"].reset()  # warm-up, capture and the last round advanced it (transformers 5 keeps its own position)
+    first = prefill(model, m["cache"], prompt)
+    loop = zero_copy_loop if label == "pool zero-copy" else host_read_loop
+    seconds, toks = loop(m["run"], first, prompt.shape[1], steps)
+    m["times"].append(seconds / steps * 1e3)
+    return toks
+
+
+def decode_case(model: Any, b: int, steps: int, rounds: int, prompt_len: int = 16) -> dict[str, Any]:
+    """The graph modes' loops interleaved round by round (median ms/token); the compile modes after them,
+    each in its own dynamo, the same number of rounds."""
     prompt = torch.randint(0, model.config.vocab_size, (b, prompt_len), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(b))
-    res: dict[str, Any] = {}
-    ref_tokens = None
-    for label in ("eager", "hand-written graph", "pool", "pool zero-copy", "backend=gfxgraph", "reduce-overhead"):
-        cache = new_cache(model, b, prompt_len + steps + 16)
-        first = prefill(model, cache, prompt)
-        step = make_step(model, cache)
-        ex = (first.view(b, 1), torch.full((b, 1), prompt_len, device="cuda", dtype=torch.long),
-              torch.full((1,), prompt_len, device="cuda", dtype=torch.long))
-        gc.collect()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        run: Any = step
-        if label == "hand-written graph":
-            run = HandCaptured(step, b, prompt_len)
-        elif label.startswith("pool"):
-            pool = ShapeBucketPool(step, [b], static_args=[2], stateful=True, progress=False, copy_outputs=False)
-            pool.capture_all(*ex)
-            run = pool.static_io(b) if label == "pool zero-copy" else pool
-        elif label != "eager":
-            torch._dynamo.reset()
-            run = (torch.compile(step, backend="gfxgraph", options={"copy_outputs": False})
-                   if label == "backend=gfxgraph" else torch.compile(step, mode="reduce-overhead"))
-            for _ in range(3):
-                run(*ex)
-        torch.cuda.synchronize()
-        setup = time.perf_counter() - t0
-        cache.reset()  # warm-up and capture advanced the cache (transformers 5 keeps its own position)
-        first = prefill(model, cache, prompt)
-        loop = zero_copy_loop if label == "pool zero-copy" else host_read_loop
-        seconds, toks = loop(run, first, prompt_len, steps)
-        if ref_tokens is None:
-            ref_tokens = toks
-        agree = sum(a == e for ta, te in zip(toks, ref_tokens) for a, e in zip(ta, te)) / (steps * b)
-        res[label] = {"ms_per_token": seconds / steps * 1e3, "setup_s": setup, "token_agreement": agree}
-        del run, step, cache
+    max_len = prompt_len + steps + 16
+    graphs = ("eager", "hand-written graph", "pool", "pool zero-copy")
+    modes = {label: _setup(label, model, b, prompt, max_len) for label in graphs}
+    tokens: dict[str, list] = {}
+    for r in range(rounds):
+        for label in (graphs if r % 2 == 0 else graphs[::-1]):
+            tokens[label] = _decode_once(modes[label], label, model, prompt, steps)
+    for label in ("backend=gfxgraph", "reduce-overhead"):
         torch._dynamo.reset()
+        modes[label] = _setup(label, model, b, prompt, max_len)
+        for _ in range(rounds):
+            tokens[label] = _decode_once(modes[label], label, model, prompt, steps)
+        modes[label]["run"] = None
+        torch._dynamo.reset()
+    ref = tokens["eager"]
+    res = {}
+    for label, m in modes.items():
+        agree = sum(a == e for ta, te in zip(tokens[label], ref) for a, e in zip(ta, te)) / (steps * b)
+        res[label] = {"ms_per_token": statistics.median(m["times"]), "all_ms_per_token": m["times"],
+                      "setup_s": m["setup_s"], "token_agreement": agree}
     return res
 
 
-def part_decode(steps: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def part_decode(steps: int, rounds: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     model = build_llama(DECODE_CFG)
     res: dict[str, Any] = {}
     figs: list[dict[str, Any]] = []
     with torch.no_grad():
         for b in (1, 8):
-            r = decode_case(model, b, steps)
+            r = decode_case(model, b, steps, rounds)
             res[f"bs{b}"] = r
             hand, zc = r["hand-written graph"]["ms_per_token"], r["pool zero-copy"]["ms_per_token"]
             be, ro = r["backend=gfxgraph"]["ms_per_token"], r["reduce-overhead"]["ms_per_token"]
@@ -279,7 +310,9 @@ def part_capture_scale(with_backend: bool) -> tuple[dict[str, Any], list[dict[st
 
     res: dict[str, Any] = {}
     with torch.no_grad():
-        step(torch.zeros(2, 1, dtype=torch.long, device="cuda"), torch.zeros(2, 1, dtype=torch.long, device="cuda"))
+        for b in BUCKETS_36:  # cuBLAS picks its kernels per shape once: neither capture run pays for that
+            z = torch.zeros(b, 1, dtype=torch.long, device="cuda")
+            step(z, z)
         hand_s, hand_bytes = hand_capture_all(step, BUCKETS_36)
         gc.collect()
         torch.cuda.empty_cache()
@@ -316,7 +349,7 @@ def part_capture_scale(with_backend: bool) -> tuple[dict[str, Any], list[dict[st
         figs.append(figure("36 sizes 1.5B: backend=gfxgraph warm-up (compile + capture)",
                            res["backend warm-up (compile + capture)"]["seconds"], None, None, "s",
                            note="serving stacks report 5-20 s of capture at start-up"))
-    del model
+    model = None  # noqa: F841  (the step closes over it)
     torch.cuda.empty_cache()
     return res, figs
 
@@ -334,7 +367,7 @@ def main() -> None:
         r, f = part_call_overhead(rounds=10 if args.quick else 60)
         results["calls"], figures = r, figures + f
     if "decode" in parts:
-        r, f = part_decode(steps=32 if args.quick else 200)
+        r, f = part_decode(steps=32 if args.quick else 128, rounds=2 if args.quick else 5)
         results["decode"], figures = r, figures + f
     if "capture" in parts:
         r, f = part_capture_scale(with_backend=not args.no_backend_scale)

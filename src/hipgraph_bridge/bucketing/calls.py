@@ -9,6 +9,7 @@ the pool's lock.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -18,7 +19,7 @@ from .. import config, stats
 from .._torch_compat import pytree
 from ..graph.capture import record_on_current_stream
 from ..graph.weak_outputs import release_outputs
-from ..log import logger
+from ..log import log_once, logger
 from ..platform import probe
 from ..tree import clone_tree
 from .buckets import BucketTable
@@ -73,6 +74,8 @@ class BucketCalls:
             stats.record_fallback("no_gpu", probe().reason or "")
             return self._eager(args, kwargs)
         bucket = self._table[batch]
+        if batch < bucket and self.stateful:
+            bucket = self._exact_bucket(batch)  # never padded: its own graph
         consts = inputs.layout.consts(leaves) if inputs.layout.has_consts else ()
         entry = self._entries.get((bucket, consts))
         if batch < bucket:
@@ -120,11 +123,19 @@ class BucketCalls:
             return inputs
         if self._graphs_available:
             layout.check_on("cuda")
+        # a stateful model's graphs are all of exact sizes: nothing ever reads the padding rows
         inputs = self._inputs = StaticInputs(layout, leaves, self._table, batch_dim=self.batch_dim,
-                                             pad_value=self.pad_value)
+                                             pad_value=None if self.stateful else self.pad_value)
         if QuickPlan.applies(layout):
             self._quick = QuickPlan(layout, leaves, self.batch_dim)
         return inputs
+
+    def _exact_bucket(self, batch: int) -> int:
+        """The bucket of a stateful model's batch that is no bucket: a graph of exactly ``batch`` rows."""
+        log_once(("exact_bucket", id(self), batch), logging.INFO,
+                 "gfxgraph: batch %d is not a bucket and the model is stateful (never padded): it gets a graph "
+                 "of exactly %d rows", batch, batch)
+        return batch
 
     def _oversize(self, batch: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.oversize == "error":

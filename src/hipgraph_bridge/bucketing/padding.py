@@ -5,8 +5,8 @@ key of constant arguments:
 
 * A ``stateful`` model (one that writes state it keeps, like a static KV
   cache) is never padded: padding rows could write to that state, and such a
-  model cannot be run twice to check. A batch that is not a bucket runs
-  eagerly (reason ``padded_state_write``); make the batch sizes you run buckets.
+  model cannot be run twice to check. A batch that is not a bucket gets a
+  graph of exactly its size instead (the pool does that before asking here).
 * A padded call whose outputs cannot be sliced back (which outputs carry the
   batch could not be learnt) runs eagerly (reason ``unknown_outputs``).
 * The first padded call of every bucket is compared with an eager run on the
@@ -44,9 +44,6 @@ class PaddingGuard:
 
     def refusal(self, consts: tuple[Hashable, ...], *, outputs_known: bool) -> tuple[str, str] | None:
         """Why a padded call with these constants must run eagerly (None: it may be padded)."""
-        if self.stateful:
-            return ("padded_state_write", "a stateful model is never padded (padding rows could write to its "
-                    "state); pass the batch sizes you run as buckets")
         why = self.row_coupled.get(consts)
         if why is not None:
             return "padding_changes_results", why

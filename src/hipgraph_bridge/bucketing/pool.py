@@ -99,7 +99,8 @@ class ShapeBucketPool(BucketCalls):
             extra eager run at another batch size (:mod:`.outputs`).
         stateful: the model writes state it keeps (a static KV cache): it is never
             run twice for one call (no validation re-run, no padding check, no output
-            probe) and never padded (a batch that is not a bucket runs eagerly).
+            probe) and never padded: a batch that is not a bucket gets a graph of exactly
+            its size on first use (as ``reduce-overhead`` records one per shape), sharing the pool.
         simulate_padding: without a GPU, run calls the way a replay would (padded
             static buffers, sliced outputs) instead of on your own arguments: for
             checking what padding does to a model, on any machine. Off by default.

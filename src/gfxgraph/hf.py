@@ -1,0 +1,190 @@
+"""Hugging Face transformers on gfxgraph: ``generate()`` through the backend, and a graphed static-cache decoder.
+
+Two ways, both for a causal LM with a static KV cache (transformers >= 4.46):
+
+* :func:`compile_config` makes transformers' own ``generate()`` compile its decode
+  step with ``backend="gfxgraph"`` instead of ``mode="reduce-overhead"``::
+
+      out = model.generate(ids, max_new_tokens=64, cache_implementation="static",
+                           compile_config=gfxgraph.hf.compile_config())
+
+  transformers runs the prefill eagerly and the decode steps compiled. Each
+  batch size gets a graph (bucketed, or of its exact size: the step writes the
+  static cache, which is never padded), all in one memory pool.
+
+* :class:`StaticCacheDecoder` is greedy decoding without ``generate()``'s per-token
+  Python: one static cache and one captured decode step per batch size, called
+  zero-copy (the step's inputs are written into the graph's own buffers).
+  transformers 5's ``StaticCache`` keeps its write position on the device and
+  advances it on every run, whatever ``cache_position`` says, so a capture ahead
+  of time leaves the cache one step on; :meth:`StaticCacheDecoder.generate`
+  resets the cache and runs the prefill before every generation, so no
+  warm-up or capture run ever leaks into one.
+
+transformers is imported only when these are used (it is not a dependency of gfxgraph).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hipgraph_bridge import ShapeBucketPool
+from hipgraph_bridge.compile import BackendOptions
+from hipgraph_bridge.compile.backend import register
+
+__all__ = ["compile_config", "StaticCacheDecoder"]
+
+
+def compile_config(*, dynamic: bool | None = None, fullgraph: bool = False, **options: Any) -> Any:
+    """A ``transformers.CompileConfig`` that compiles ``generate()``'s decode step with the gfxgraph backend.
+
+    ``options`` are the backend's (``buckets=``, ``max_batch_size=``,
+    ``compiler=``, ...; see :class:`~hipgraph_bridge.compile.BackendOptions`),
+    checked here so a bad one fails now and not inside ``generate()``.
+    ``dynamic`` is passed to ``torch.compile`` (None: dynamo makes the batch
+    dimension dynamic at the second batch size it sees). Raises ``ImportError``
+    without transformers and :class:`~hipgraph_bridge.errors.ConfigError` for a bad option.
+    """
+    import transformers  # optional: only this integration needs it
+
+    BackendOptions.from_mapping(options)
+    register()  # backend="gfxgraph" resolves even where the package's entry points are not installed
+    # mode=None: torch.compile refuses a mode together with options, and the backend needs no mode
+    return transformers.CompileConfig(backend="gfxgraph", mode=None, options=dict(options) or None,
+                                      dynamic=dynamic, fullgraph=fullgraph)
+
+
+@dataclass
+class _Slot:
+    """What one batch size owns: its cache, the graphed step over it, the step's zero-copy inputs."""
+
+    cache: Any
+    pool: ShapeBucketPool
+    io: Any
+    capture_seconds: float
+
+
+class StaticCacheDecoder:
+    """Greedy decoding with a static KV cache and a captured decode step per batch size.
+
+    Args:
+        model: a transformers causal LM (``model(input_ids=..., position_ids=...,
+            cache_position=..., past_key_values=cache)`` returning ``.logits``).
+        max_cache_len: the cache length; a generation's prompt plus new tokens must fit.
+        graphs: False runs the same decode loop eagerly (the reference the tests compare with).
+
+    One ``StaticCache`` and one graph per batch size, made on first use (or by
+    :meth:`capture`); memory is the cache plus one pool of graph memory per
+    batch size. The decoder is not thread-safe: one generation at a time.
+    """
+
+    def __init__(self, model: Any, *, max_cache_len: int, graphs: bool = True) -> None:
+        if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 2:
+            raise ValueError(f"max_cache_len: expected an int >= 2, got {max_cache_len!r}")
+        self.model = model
+        self.max_cache_len = max_cache_len
+        self.graphs = graphs
+        self._slots: dict[int, _Slot] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def capture(self, *batch_sizes: int) -> dict[int, float]:
+        """Make the cache and capture the decode step for each batch size now; returns seconds per size."""
+        return {b: self._slot(b).capture_seconds for b in batch_sizes}
+
+    def _new_cache(self, batch: int) -> Any:
+        from transformers import StaticCache  # optional: only this integration needs it
+
+        try:  # transformers >= 5 takes the batch size from the first write
+            return StaticCache(config=self.model.config, max_cache_len=self.max_cache_len)
+        except TypeError:
+            return StaticCache(config=self.model.config, max_batch_size=batch, max_cache_len=self.max_cache_len,
+                               device=self.device, dtype=self.model.dtype)
+
+    def _slot(self, batch: int) -> _Slot:
+        slot = self._slots.get(batch)
+        if slot is not None:
+            return slot
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch size: expected an int >= 1, got {batch!r}")
+        cache, model, dev = self._new_cache(batch), self.model, self.device
+
+        def step(ids: torch.Tensor, pos: torch.Tensor, cp: torch.Tensor) -> torch.Tensor:
+            logits = model(input_ids=ids, position_ids=pos, cache_position=cp, past_key_values=cache,
+                           use_cache=True).logits
+            return logits[:, -1, :].argmax(dim=-1)
+
+        with torch.no_grad():  # the cache's tensors exist after a first write: a prefill of one token
+            model(input_ids=torch.zeros(batch, 1, dtype=torch.long, device=dev),
+                  cache_position=torch.zeros(1, dtype=torch.long, device=dev), past_key_values=cache, use_cache=True)
+            pool = ShapeBucketPool(step, [batch], static_args=[2], stateful=True, copy_outputs=False, progress=False)
+            t0 = time.perf_counter()
+            example = (torch.zeros(batch, 1, dtype=torch.long, device=dev),
+                       torch.ones(batch, 1, dtype=torch.long, device=dev), torch.ones(1, dtype=torch.long, device=dev))
+            if self.graphs:
+                pool.capture_all(*example)  # advances the cache: generate() resets it
+            else:
+                pool.close()
+            seconds = time.perf_counter() - t0
+        io = pool.static_io(batch) if self.graphs else None
+        slot = self._slots[batch] = _Slot(cache, pool, io if self.graphs else step, seconds)
+        return slot
+
+    def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token_id: int | None = None,
+                 pad_token_id: int | None = None) -> torch.Tensor:
+        """Greedy tokens after the prompt, shape ``(batch, n)`` with ``n <= max_new_tokens``.
+
+        As ``generate(do_sample=False)`` does: a sequence that produced
+        ``eos_token_id`` gets ``pad_token_id`` (default: the EOS id) from then on,
+        and decoding stops when every sequence has ended. The host reads one
+        flag per token for that (as transformers does); without an EOS id it reads nothing.
+        """
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+            raise ValueError(f"input_ids: expected a (batch, prompt) tensor of token ids (torch.long), got "
+                             f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
+        b, n = input_ids.shape
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
+        if n + max_new_tokens > self.max_cache_len:
+            raise ValueError(f"a prompt of {n} tokens plus max_new_tokens={max_new_tokens} needs a cache of "
+                             f"{n + max_new_tokens}; expected at most max_cache_len={self.max_cache_len}")
+        slot = self._slot(b)
+        with torch.no_grad():
+            return self._decode(slot, input_ids, max_new_tokens, eos_token_id,
+                                eos_token_id if pad_token_id is None else pad_token_id)
+
+    def _decode(self, slot: _Slot, input_ids: torch.Tensor, new: int, eos: int | None, pad: int | None) -> torch.Tensor:
+        b, n = input_ids.shape
+        slot.cache.reset()  # whatever capture, warm-up or an earlier generation wrote
+        logits = self.model(input_ids=input_ids, cache_position=torch.arange(n, device=input_ids.device),
+                            past_key_values=slot.cache, use_cache=True).logits
+        tok = logits[:, -1, :].argmax(dim=-1)
+        out = torch.empty(b, new, dtype=torch.long, device=input_ids.device)
+        unfinished = torch.ones(b, dtype=torch.bool, device=input_ids.device)
+        for i in range(new):
+            if eos is not None:
+                tok = torch.where(unfinished, tok, pad)
+                unfinished &= tok != eos
+            out[:, i] = tok
+            if i == new - 1 or (eos is not None and not bool(unfinished.any())):
+                return out[:, :i + 1]
+            tok = self._step(slot, tok, n + i)
+        return out
+
+    def _step(self, slot: _Slot, tok: torch.Tensor, pos: int) -> torch.Tensor:
+        """The next greedy token after ``tok`` at position ``pos``: the graph, written into zero-copy."""
+        if not self.graphs:
+            b = tok.shape[0]
+            return slot.io(tok.view(b, 1), torch.full((b, 1), pos, dtype=torch.long, device=tok.device),
+                           torch.full((1,), pos, dtype=torch.long, device=tok.device))
+        ids, position_ids, cache_position = slot.io.args
+        ids.copy_(tok.view(-1, 1))
+        position_ids.fill_(pos)
+        cache_position.fill_(pos)
+        return slot.io.run()  # overwritten by the next step: _decode has copied it out (and in) by then

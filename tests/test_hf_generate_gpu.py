@@ -1,0 +1,98 @@
+"""transformers' generate() on the gfxgraph backend, and StaticCacheDecoder, against eager tokens (GPU).
+
+The model is a small fp32 Llama with random weights (nothing is downloaded); fp32 keeps
+greedy argmax ties away, so graphed and eager decoding must give identical tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gfxgraph
+from gfxgraph.hf import StaticCacheDecoder, compile_config
+
+pytestmark = pytest.mark.gpu
+transformers = pytest.importorskip("transformers")
+torch._dynamo = pytest.importorskip("torch._dynamo")
+
+PROMPT, NEW = 10, 24
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
+                                   max_position_embeddings=256)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _prompt(b, seed=0):
+    g = torch.Generator("cuda").manual_seed(seed + b)
+    return torch.randint(0, 1000, (b, PROMPT), device="cuda", generator=g)
+
+
+def _generate(model, ids, *, full_length=True, **kw):
+    if full_length:  # no EOS stops it early
+        kw["min_new_tokens"] = NEW
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+                              cache_implementation="static", pad_token_id=0, **kw)
+
+
+def test_generate_on_the_backend_equals_eager_at_bucket_and_other_sizes(model):
+    from hipgraph_bridge.compile import compiled_subgraphs
+
+    torch._dynamo.reset()
+    cc = compile_config(compiler="eager", buckets=[1, 2, 4, 8])  # the traced graph's own kernels: exact
+    for b in (1, 4, 5, 3):  # 5 and 3 are not buckets: the step writes the cache, so they get exact graphs
+        want = _generate(model, _prompt(b), disable_compile=True)
+        got = _generate(model, _prompt(b), compile_config=cc)
+        assert torch.equal(got, want), b
+    graphs = sum(s.graph_count() for s in compiled_subgraphs())
+    assert graphs >= 3, compiled_subgraphs()
+    torch._dynamo.reset()
+
+
+def test_compile_config_checks_options_now():
+    with pytest.raises(gfxgraph.ConfigError, match="buckets"):
+        compile_config(buckets="many")
+
+
+def test_static_cache_decoder_equals_transformers_generate(model):
+    dec = StaticCacheDecoder(model, max_cache_len=PROMPT + NEW + 8)
+    for b in (1, 3):
+        ids = _prompt(b)
+        want = _generate(model, ids, disable_compile=True)[:, PROMPT:]
+        got = dec.generate(ids, max_new_tokens=NEW)
+        assert torch.equal(got, want), b
+        assert torch.equal(dec.generate(ids, max_new_tokens=NEW), want)  # the cache is reset every time
+    assert sorted(dec._slots) == [1, 3] and all(s.pool.captured_buckets for s in dec._slots.values())
+
+
+def test_static_cache_decoder_stops_each_sequence_at_eos_like_eager(model):
+    ids = _prompt(4, seed=7)
+    free = StaticCacheDecoder(model, max_cache_len=PROMPT + NEW + 8, graphs=False).generate(ids, max_new_tokens=NEW)
+    eos = int(free[2, 5])  # a token sequence 2 produces mid-way: it (and any other that produces it) ends there
+    want = StaticCacheDecoder(model, max_cache_len=PROMPT + NEW + 8, graphs=False).generate(
+        ids, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0)
+    got = StaticCacheDecoder(model, max_cache_len=PROMPT + NEW + 8).generate(
+        ids, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(got, want)
+    row = got[2].tolist()
+    first = row.index(eos)
+    assert first <= 5 and all(t == 0 for t in row[first + 1:])
+    hf = _generate(model, ids, full_length=False, disable_compile=True, eos_token_id=eos)[:, PROMPT:]
+    hf = torch.nn.functional.pad(hf, (0, got.shape[1] - hf.shape[1]), value=0) if hf.shape[1] < got.shape[1] else hf
+    assert torch.equal(got, hf[:, :got.shape[1]])
+
+
+def test_static_cache_decoder_rejects_bad_input(model):
+    dec = StaticCacheDecoder(model, max_cache_len=16)
+    with pytest.raises(ValueError, match="needs a cache of"):
+        dec.generate(_prompt(1), max_new_tokens=10)
+    with pytest.raises(ValueError, match="token ids"):
+        dec.generate(torch.zeros(1, 3, device="cuda"), max_new_tokens=2)
