@@ -54,6 +54,7 @@ class LinePanel:
     series: tuple[Series, ...]
     logx: bool = False
     logy: bool = False
+    unit: str = ""  # of y, for the value written beside a reference line
 
 
 @dataclass(frozen=True)
@@ -140,10 +141,18 @@ def decode_series(cfg: dict[str, Any], device: str | None, metric: str = "ms_per
     floor = decode_floor_ms(cfg, device) if metric == "ms_per_token" else None
     sizes = sorted({x for s in out for x, _ in s.points})
     if floor is not None and sizes:
-        out.append(Series(f"{MODE_LABELS['floor']} ({cfg['params'] * 2 / 1e9:.2g} GB bf16 weights at peak HBM)"
-                          if "params" in cfg else MODE_LABELS["floor"], "floor",
+        out.append(Series(f"{MODE_LABELS['floor']} (bf16 weights read once at peak bandwidth)", "floor",
                           ((sizes[0], floor), (sizes[-1], floor)), reference=True))
     return tuple(out)
+
+
+def _line(title: str, xlabel: str, ylabel: str, series: tuple[Series, ...], unit: str = "") -> LinePanel:
+    """Lines against batch size: a few sizes on a log-2 axis, a dense sweep on a linear one; log y
+    when the values span more than 30x."""
+    ys = [y for s in series for _, y in s.points]
+    few = max((len(s.points) for s in series), default=0) <= 12
+    return LinePanel(title, xlabel, ylabel + (" (log)" if _spread(ys) else ""), series, logx=few,
+                     logy=_spread(ys), unit=unit)
 
 
 def _decode_title(name: str, cfg: dict[str, Any]) -> str:
@@ -157,11 +166,13 @@ def llm_decode_charts(doc: dict[str, Any]) -> list[Chart]:
         return []
     device = doc.get("environment", {}).get("device")
     cfgs = {n: c for n, c in results.items() if isinstance(c, dict)}
-    speed = tuple(LinePanel(_decode_title(n, c), "batch size", "ms per decode step (ms/token)",
-                            decode_series(c, device), logx=True, logy=True) for n, c in cfgs.items())
-    warm = tuple(LinePanel(_decode_title(n, c), "batch size", "seconds (log)",
-                           tuple(s for s in decode_series(c, device, "setup_s") if s.key != "eager"),
-                           logx=True, logy=True) for n, c in cfgs.items())
+    speed = tuple(_line(_decode_title(n, c), "batch size", "ms per decode step (ms/token)",
+                        decode_series(c, device), unit="ms") for n, c in cfgs.items())
+    # warm-up where a compile mode ran (capture alone takes milliseconds everywhere), else everywhere
+    compiled = {n: c for n, c in cfgs.items() if _per_batch(c, "reduce_overhead", "setup_s")} or cfgs
+    warm = tuple(_line(_decode_title(n, c), "batch size", "seconds",
+                       tuple(s for s in decode_series(c, device, "setup_s") if s.key != "eager"))
+                 for n, c in compiled.items())
     return [
         Chart("llm_decode", "Greedy decode, ms per step against batch size", _nonempty(speed),
               "Time per decode step (every sequence of the batch gets one token) for each mode, with the "
@@ -175,8 +186,7 @@ def llm_decode_charts(doc: dict[str, Any]) -> list[Chart]:
 def _stream_panel(series: tuple[Series, ...], bars: tuple[tuple[str, str, float], ...], calls: Any
                   ) -> LinePanel | BarPanel:
     if series:
-        return LinePanel("steady state, per call, at each batch size", "batch size", "ms per call", series,
-                         logy=_spread([y for s in series for _, y in s.points]))
+        return _line("steady state, per call, at each batch size", "batch size", "ms per call", series)
     over = f"the {calls}-call stream" if calls else "the stream"
     return BarPanel(f"steady state, per call, mean over {over}", "ms per call", bars)
 
@@ -196,7 +206,7 @@ def shape_bucketing_charts(doc: dict[str, Any]) -> list[Chart]:
                       ("reduce-overhead total for the stream (compile + recording)", MODE_LABELS["reduce-overhead"],
                        "reduce-overhead")])
     memory = _bars(v, [("graph pool, 36 buckets shared", "pool, 36 buckets in one pool", "pool"),
-                       ("graph pool, largest bucket alone", "pool, largest bucket alone", "hand"),
+                       ("graph pool, largest bucket alone", "pool, largest bucket alone", "pool"),
                        ("reduce-overhead graph memory (all its pools)", MODE_LABELS["reduce-overhead"],
                         "reduce-overhead")])
     return _stream_charts("shape_bucketing", _stream_panel(series, steady, doc.get("calls")), total, memory,
@@ -216,7 +226,7 @@ def compile_backend_charts(doc: dict[str, Any]) -> list[Chart]:
         steady = (("eager", "eager", float(ok["pool-eager"]["eager_ms"])), *steady)
     total = tuple((MODE_LABELS[k], k, float(ok[c]["total_s"])) for c, k in keys if c in ok)
     memory = tuple((MODE_LABELS[k], k, ok[c]["graph_bytes"] / 2**20) for c, k in keys
-                   if c in ok and c != "default" and isinstance(ok[c].get("graph_bytes"), (int, float)))
+                   if c in ok and isinstance(ok[c].get("graph_bytes"), (int, float)))
     calls = doc.get("calls")
     return _stream_charts("compile_backend", _stream_panel(tuple(series), steady, calls), total, memory, calls)
 
@@ -227,7 +237,8 @@ def _stream_charts(stem: str, steady: LinePanel | BarPanel, total: tuple, memory
         Chart(stem, "Dynamic batch sizes: time per call", _nonempty((steady,)),
               f"Steady-state time per call {what}, once every graph is captured or compiled."),
         Chart(f"{stem}_total", f"The whole {f'{calls}-call ' if calls else ''}stream, and graph memory",
-              _nonempty((BarPanel("first pass, capture and compile included", "seconds (log)", total,
+              _nonempty((BarPanel("first pass, capture and compile included",
+                                  "seconds" + (" (log)" if _spread([b[2] for b in total]) else ""), total,
                                   log=_spread([b[2] for b in total])),
                          BarPanel("graph memory", "MiB", memory))),
               "Left: seconds for the first pass over the stream, capture or compilation included; "
@@ -248,8 +259,10 @@ def replay_overhead_charts(doc: dict[str, Any]) -> list[Chart]:
             bars.append((label, key, v[name]))
             q = doc.get(quart)
             errors.append((q[0], q[2]) if isinstance(q, list) and len(q) == 3 else (v[name], v[name]))
-    panel = BarPanel("median host time per replay (bars: quartiles of the batches)", "microseconds", tuple(bars),
-                     errors=tuple(errors))
+    ratio = v.get("bridged / raw")
+    title = "median host time per replay; whiskers: quartiles of the batches" + (
+        f"; ratio {ratio:.3f}" if ratio is not None else "")
+    panel = BarPanel(title, "microseconds", tuple(bars), errors=tuple(errors))
     return [Chart("replay_overhead", "Host time per replay of a 1-kernel graph", _nonempty((panel,)),
                   "What one replay costs the host, PyTorch's graph against gfxgraph's.", legend=False)]
 

@@ -190,7 +190,8 @@ def main() -> None:
                    g["backend"]["compile_seconds"] - g["compile_s_first_pass"], None, None, "s",
                    note="frames dynamo specialised (first size, size 1) compile on their second call"),
         ]
-    write(args.out, "compile_backend", figures, {"method": __doc__, "passes": passes, "calls": CALLS, "results": results})
+    write(args.out, "compile_backend", figures,
+          {"method": __doc__, "passes": passes, "calls": CALLS, "results": results})
 
 
 if __name__ == "__main__":

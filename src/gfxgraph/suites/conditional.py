@@ -16,7 +16,7 @@ Figures and targets (issue 5), all in this process on one GPU:
   read) vs per-branch dispatch after a host read of the selector (``ConditionalGraph``
   dispatch), per call on random device selectors: ratio reported.
 
-Run: ``python benchmarks/conditional.py --out DIR`` (under a minute on an H200).
+Run: ``python -m gfxgraph.suites.conditional --out DIR`` (under a minute on an H200).
 """
 
 from __future__ import annotations
