@@ -1,16 +1,19 @@
-"""``gfxgraph bench``: run the benchmarks in ``benchmarks/`` and collect JSON, tables and plots.
+"""``gfxgraph bench``: run the benchmark suites shipped in :mod:`gfxgraph.suites`, collect JSON, tables, plots.
 
-Each suite is a script ``benchmarks/<name>.py`` that takes ``--out DIR`` and writes
-``DIR/<name>.json`` (see ``benchmarks/_common.py``). This runs the chosen suites one after
-another in fresh interpreters (a crash in one cannot take the others down), then writes
-``DIR/<name>.md`` (the table) and ``DIR/<name>.png`` (figures against their targets, when
-matplotlib is installed: ``pip install 'gfxgraph[bench]'``) and ``DIR/summary.md``.
+Each suite is a module ``gfxgraph.suites.<name>`` run as ``python -m gfxgraph.suites.<name> --out DIR``;
+it writes ``DIR/<name>.json`` (see ``gfxgraph/suites/_common.py``). This runs the chosen suites one
+after another in fresh interpreters (a crash in one cannot take the others down), then writes
+``DIR/<name>.md`` (the table), the suite's plots (:mod:`gfxgraph.bench_charts`, when matplotlib is
+installed: ``pip install 'gfxgraph[bench]'``) and ``DIR/summary.md``. The suites ship with the
+package, so this works from an installed gfxgraph as well as from a source checkout.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
-import os
+import pkgutil
 import subprocess
 import sys
 import time
@@ -18,26 +21,30 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+import gfxgraph.suites
+from gfxgraph.bench_charts import charts
+from gfxgraph.bench_draw import draw
+from gfxgraph.suites._common import child_env
 from hipgraph_bridge.log import logger
 from hipgraph_bridge.platform import probe
 
-__all__ = ["run_bench", "render_results", "find_suites"]
+__all__ = ["run_bench", "render_results", "find_suites", "suite_summary"]
 
 
-def _bench_dir() -> Path | None:
-    here = Path(__file__).resolve()
-    for candidate in (Path.cwd() / "benchmarks", here.parents[2] / "benchmarks"):
-        if (candidate / "_common.py").is_file():
-            return candidate
-    return None
+def find_suites() -> dict[str, str]:
+    """Suite names to their module names: every public module of :mod:`gfxgraph.suites` (none imported)."""
+    return {m.name: f"gfxgraph.suites.{m.name}" for m in sorted(pkgutil.iter_modules(gfxgraph.suites.__path__),
+                                                                 key=lambda m: m.name)
+            if not m.name.startswith("_") and not m.ispkg}
 
 
-def find_suites() -> dict[str, Path]:
-    """Benchmark scripts by name (``benchmarks/*.py`` without a leading underscore)."""
-    d = _bench_dir()
-    if d is None:
-        return {}
-    return {p.stem: p for p in sorted(d.glob("*.py")) if not p.name.startswith("_")}
+def suite_summary(module: str) -> str:
+    """The first line of a suite's docstring, read from its source without importing it ("" if none)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin:
+        return ""
+    doc = ast.get_docstring(ast.parse(Path(spec.origin).read_text(encoding="utf-8")))
+    return doc.splitlines()[0] if doc else ""
 
 
 def _table(doc: dict) -> str:
@@ -52,42 +59,24 @@ def _table(doc: dict) -> str:
     return "\n".join(rows) + "\n"
 
 
-def _plot(doc: dict, path: Path) -> bool:
-    try:
-        import matplotlib  # optional: the bench extra
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    figs = [f for f in doc["figures"] if isinstance(f["value"], (int, float))]
-    if not figs:
-        return False
-    height = max(2.5, 0.32 * len(figs) + 1)
-    fig, ax = plt.subplots(figsize=(10, height))
-    colors = ["#999999" if f["pass"] is None else ("#2a9d8f" if f["pass"] else "#e76f51") for f in figs]
-    ax.barh(range(len(figs)), [f["value"] for f in figs], color=colors)
-    ax.set_yticks(range(len(figs)))
-    ax.set_yticklabels([f"{f['name']} [{f.get('unit') or 'x'}]" for f in figs], fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xscale("symlog")
-    ax.set_title(f"{doc['benchmark']} — green: meets target, red: misses, grey: no target", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+def _render(doc: dict, out: Path, stem: str) -> list[Path]:
+    """Write ``stem``.md (the table, then the plots with their captions) and the plots; returns the PNGs."""
+    pngs, notes = [], []
+    for chart in charts(doc):
+        path = out / f"{chart.stem}.png"
+        if draw(chart, doc.get("environment", {}), path):
+            pngs.append(path)
+            notes.append(f"![{chart.title}]({path.name})\n\n{chart.caption}\n")
+    (out / f"{stem}.md").write_text(_table(doc) + "".join(f"\n{n}" for n in notes))
+    return pngs
 
 
 def run_bench(*, suites: list[str] | None, out_dir: str, list_only: bool = False) -> int:
     """Run ``suites`` (default: all) into ``out_dir``; returns a process exit code."""
     available = find_suites()
-    if not available:
-        print("gfxgraph bench: no benchmarks/ folder found; run it from a source checkout of gfxgraph",
-              file=sys.stderr)
-        return 2
     if list_only:
-        for name, path in available.items():
-            print(f"{name:20s} {path}")
+        for name, module in available.items():
+            print(f"{name:20s} {suite_summary(module)}")
         return 0
     chosen = suites or list(available)
     unknown = [s for s in chosen if s not in available]
@@ -101,15 +90,12 @@ def run_bench(*, suites: list[str] | None, out_dir: str, list_only: bool = False
         return 0
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    bench_dir = next(iter(available.values())).parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(bench_dir.parent / "src"), str(bench_dir),
-                                                       os.environ.get("PYTHONPATH", "")])}
     summary = ["# gfxgraph benchmarks", ""]
     failed = 0
     for name in tqdm(chosen, desc="gfxgraph bench", unit="suite"):
         t0 = time.perf_counter()
         logger.info("gfxgraph bench: running %s", name)
-        r = subprocess.run([sys.executable, str(available[name]), "--out", str(out)], env=env)
+        r = subprocess.run([sys.executable, "-m", available[name], "--out", str(out)], env=child_env())
         seconds = time.perf_counter() - t0
         result = out / f"{name}.json"
         if r.returncode != 0 or not result.is_file():
@@ -117,11 +103,10 @@ def run_bench(*, suites: list[str] | None, out_dir: str, list_only: bool = False
             summary.append(f"- {name}: FAILED (exit {r.returncode}) after {seconds:.0f} s")
             continue
         doc = json.loads(result.read_text())
-        (out / f"{name}.md").write_text(_table(doc))
-        plotted = _plot(doc, out / f"{name}.png")
+        plotted = _render(doc, out, name)
         misses = sum(1 for f in doc["figures"] if f["pass"] is False)
         summary.append(f"- {name}: {len(doc['figures'])} figures, {misses} targets missed, {seconds:.0f} s"
-                       + ("" if plotted else " (no plot: matplotlib not installed)"))
+                       + (f", {len(plotted)} plots" if plotted else " (no plot: matplotlib not installed, or none)"))
     (out / "summary.md").write_text("\n".join(summary) + "\n")
     print("\n".join(summary))
     return 1 if failed else 0
@@ -139,7 +124,6 @@ def render_results(in_dir: str, out_dir: str) -> int:
         doc = json.loads(path.read_text())
         if "figures" not in doc:
             continue
-        (out / f"{path.stem}.md").write_text(_table(doc))
-        plotted = _plot(doc, out / f"{path.stem}.png")
-        print(f"{path.stem}: {out / (path.stem + '.md')}" + (f", {out / (path.stem + '.png')}" if plotted else ""))
+        pngs = _render(doc, out, path.stem)
+        print(f"{path.stem}: {out / (path.stem + '.md')}" + "".join(f", {p}" for p in pngs))
     return 0

@@ -5,7 +5,7 @@
     python -m gfxgraph [options] script.py [args...]   same as ``run`` (also with -m)
     gfxgraph doctor [--json] [--strict]  report GPU graph health
     gfxgraph version (or --version)      versions of gfxgraph, torch and the runtime
-    gfxgraph bench [--suite NAME] [--out DIR]   run the benchmarks in benchmarks/
+    gfxgraph bench [--suite NAME] [--out DIR]   run the benchmark suites (gfxgraph.suites)
 
 Options of ``run`` go before the script; everything after it is the script's.
 As ``python`` does, ``-m`` puts the current directory first on ``sys.path`` and
@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", action="store_true", help="print the health_check() dict as JSON")
     doctor.add_argument("--strict", action="store_true", help="exit with 1 when the check is not ok")
     sub.add_parser("version", help="print versions")
-    bench = sub.add_parser("bench", help="run the benchmarks in benchmarks/ and write JSON, tables, plots")
+    bench = sub.add_parser("bench", help="run the benchmark suites and write JSON, tables, plots")
     bench.add_argument("--suite", action="append", help="benchmark name (repeatable); default: all")
     bench.add_argument("--out", default="bench-out", help="output folder (default: bench-out)")
     bench.add_argument("--list", action="store_true", help="list the suites and exit")

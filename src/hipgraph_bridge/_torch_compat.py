@@ -299,6 +299,13 @@ def lookup_backend(name: str) -> Any:
     return _lookup(name)
 
 
+def dynamo_counters() -> Any:
+    """Dynamo's event counters (``["stats"]["unique_graphs"]``: frames compiled); the benchmarks read them."""
+    from torch._dynamo.utils import counters  # heavy: imports dynamo
+
+    return counters
+
+
 def is_dynamo_signal(exc: BaseException) -> bool:
     """Whether ``exc`` is one dynamo uses for control flow (it must reach dynamo)."""
     dexc = sys.modules.get("torch._dynamo.exc")

@@ -1,7 +1,7 @@
 """Pytest glue: parametrize over the case table; run the units in fresh interpreters, in parallel.
 
 The first test that needs a result runs every unit the session selected (and can
-run here) in parallel, like ``benchmarks/reliability.py`` does, and caches the
+run here) in parallel, like ``gfxgraph.suites.reliability`` does, and caches the
 results; each test then asserts its own case's verdict. ``known_issue`` cases are
 ``xfail(strict=True)``: a fix (or a drift) makes them XPASS, which fails the run.
 """

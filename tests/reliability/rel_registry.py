@@ -1,4 +1,4 @@
-"""The reliability suite's case table, shared by pytest and ``benchmarks/reliability.py``.
+"""The reliability suite's case table, shared by pytest and ``gfxgraph.suites.reliability``.
 
 Vocabulary:
 

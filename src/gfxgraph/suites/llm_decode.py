@@ -44,13 +44,11 @@ import statistics
 import time
 from typing import Any, Callable
 
-# compile times must be first-compile times: no inductor cache carries work from one mode to the next
-os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+import torch
 
-import torch  # noqa: E402
-
-from _common import figure, parser, write
+from gfxgraph.suites._common import figure, parser, write
 from hipgraph_bridge import ShapeBucketPool, graph_pool_bytes
+from hipgraph_bridge.compile import compiled_subgraphs
 
 CONFIGS = {
     "llama-1.2b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -61,7 +59,7 @@ CONFIGS = {
 
 
 def build_model(name: str) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # optional: this suite alone needs transformers
 
     cfg = LlamaConfig(**CONFIGS[name], torch_dtype=torch.bfloat16)
     cfg._attn_implementation = "sdpa"
@@ -72,7 +70,7 @@ def build_model(name: str) -> Any:
 
 
 def new_cache(model: Any, batch: int, max_len: int) -> Any:
-    from transformers import StaticCache
+    from transformers import StaticCache  # optional: this suite alone needs transformers
 
     try:  # transformers >= 5: the batch size comes from the first update
         return StaticCache(config=model.config, max_cache_len=max_len)
@@ -149,79 +147,62 @@ class HandCaptured:
         return self.out
 
 
-def run_case(model: Any, name: str, b: int, prompt_len: int, steps: int, compile_modes: bool) -> dict[str, Any]:
-    vocab = model.config.vocab_size
-    prompt = torch.randint(0, vocab, (b, prompt_len), device="cuda", generator=torch.Generator("cuda").manual_seed(b))
-    max_len = prompt_len + steps + 8
-    res: dict[str, Any] = {}
+def _build_runner(label: str, step: Callable[..., Any], b: int, prompt_len: int, first: torch.Tensor) -> Any:
+    """The decode runner of one mode, captured or compiled (compile modes: their first 3 calls run here)."""
+    if label == "hand_captured":
+        return HandCaptured(step, b, prompt_len)
+    if label.startswith("gfxgraph_pool"):
+        pool = ShapeBucketPool(step, [b], static_args=[2], stateful=True, progress=False,
+                               copy_outputs=(label == "gfxgraph_pool_copy"))
+        pool.capture_all(first.view(b, 1), torch.full((b, 1), prompt_len, device="cuda", dtype=torch.long),
+                         torch.full((1,), prompt_len, device="cuda", dtype=torch.long))
+        return pool
+    torch.compiler.reset()
+    if label == "reduce_overhead":
+        runner = torch.compile(step, mode="reduce-overhead")
+    else:
+        # copy_outputs=False: the decode-loop setting (the loop reads the logits before the next
+        # step), as for the pool above and as reduce-overhead's own outputs behave
+        runner = torch.compile(step, backend="gfxgraph", options={"copy_outputs": label == "backend_gfxgraph_copy"})
+    for i in range(3):  # compilation and graph recording happen in the first calls
+        pos = prompt_len + i
+        runner(first.view(b, 1), torch.full((b, 1), pos, device="cuda", dtype=torch.long),
+               torch.full((1,), pos, device="cuda", dtype=torch.long))
+    return runner
 
-    def fresh() -> tuple[Any, torch.Tensor]:
-        cache = new_cache(model, b, max_len)
-        with torch.no_grad():
-            first = prefill(model, cache, prompt)
-        return cache, first
 
-    with torch.no_grad():
-        cache, first = fresh()
-        eager = decode(make_step(model, cache), first, prompt_len, steps, None)
-        forced = eager["tokens"]
-        res["eager"] = eager
+def _run_mode(model: Any, label: str, fresh: Callable[[], tuple[Any, torch.Tensor]], prompt: torch.Tensor,
+              steps: int, forced: list[torch.Tensor]) -> dict[str, Any]:
+    """Set up one mode over a fresh cache (timed: ``setup_s``, ``graph_bytes``), then decode."""
+    b, prompt_len = prompt.shape
+    cache, first = fresh()
+    step = make_step(model, cache)
+    gc.collect()  # the previous mode's graphs go first, or their release counts against this one
+    torch.cuda.synchronize()
+    pools_before = graph_pool_bytes()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    runner = _build_runner(label, step, b, prompt_len, first)
+    torch.cuda.synchronize()
+    setup_s = time.perf_counter() - t0
+    graph_bytes = graph_pool_bytes() - pools_before
+    # Warm-up and capture ran the step: the cache advanced its own write position
+    # (transformers >= 5 keeps it on the device and ignores cache_position). Start over.
+    cache.reset()
+    first = prefill(model, cache, prompt)
+    r = decode(runner, first, prompt_len, steps, forced)
+    r["setup_s"] = setup_s
+    r["graph_bytes"] = graph_bytes
+    if label.startswith("backend_gfxgraph"):  # graphed, or why not: the figures mean nothing without it
+        r["subgraphs"] = [repr(s) for s in compiled_subgraphs()]
+    del runner
+    if label in ("reduce_overhead", "backend_gfxgraph", "backend_gfxgraph_copy"):
+        torch.compiler.reset()  # drops the compiled code and, for the backend, its graphs
+    return r
 
-        # hand-captured and gfxgraph capture the step over a cache object; decode must use that cache
-        for label in ("hand_captured", "gfxgraph_pool", "gfxgraph_pool_copy") + (
-                # the backend first: whatever compilation caching is left (see the docstring) favours
-                # reduce-overhead, so the warm-up comparison is not tilted our way
-                ("backend_gfxgraph", "backend_gfxgraph_copy", "reduce_overhead") if compile_modes else ()):
-            cache_, first_ = fresh()
-            step = make_step(model, cache_)
-            gc.collect()  # the previous mode's graphs go first, or their release counts against this one
-            torch.cuda.synchronize()
-            pools_before = graph_pool_bytes()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            if label == "hand_captured":
-                runner = HandCaptured(step, b, prompt_len)
-            elif label.startswith("gfxgraph_pool"):
-                pool = ShapeBucketPool(step, [b], static_args=[2], stateful=True, progress=False,
-                                       copy_outputs=(label == "gfxgraph_pool_copy"))
-                pool.capture_all(first_.view(b, 1), torch.full((b, 1), prompt_len, device="cuda", dtype=torch.long),
-                                 torch.full((1,), prompt_len, device="cuda", dtype=torch.long))
-                runner = pool
-                del pool
-            elif label == "reduce_overhead":
-                torch._dynamo.reset()
-                runner = torch.compile(step, mode="reduce-overhead")
-            else:
-                torch._dynamo.reset()
-                # copy_outputs=False: the decode-loop setting (the loop reads the logits before the next
-                # step), as for the pool above and as reduce-overhead's own outputs behave
-                runner = torch.compile(step, backend="gfxgraph",
-                                       options={"copy_outputs": label == "backend_gfxgraph_copy"})
-            if label != "hand_captured" and not label.startswith("gfxgraph_pool"):
-                # compilation and graph recording happen in the first calls
-                for i in range(3):
-                    pos = prompt_len + i
-                    runner(first_.view(b, 1), torch.full((b, 1), pos, device="cuda", dtype=torch.long),
-                           torch.full((1,), pos, device="cuda", dtype=torch.long))
-            torch.cuda.synchronize()
-            setup_s = time.perf_counter() - t0
-            graph_bytes = graph_pool_bytes() - pools_before
-            # Warm-up and capture ran the step: the cache advanced its own write position
-            # (transformers >= 5 keeps it on the device and ignores cache_position). Start over.
-            cache_.reset()
-            first_ = prefill(model, cache_, prompt)
-            r = decode(runner, first_, prompt_len, steps, forced)
-            r["setup_s"] = setup_s
-            r["graph_bytes"] = graph_bytes
-            if label.startswith("backend_gfxgraph"):  # graphed, or why not: the figures mean nothing without it
-                from hipgraph_bridge.compile import compiled_subgraphs
 
-                r["subgraphs"] = [repr(s) for s in compiled_subgraphs()]
-            res[label] = r
-            del runner
-            if label in ("reduce_overhead", "backend_gfxgraph", "backend_gfxgraph_copy"):
-                torch._dynamo.reset()  # drops the compiled code and, for the backend, its graphs
-    # compare with eager, then drop the tensors
+def _compare_with_eager(res: dict[str, Any]) -> None:
+    """Add each mode's logit difference and greedy-token agreement with eager; drop the tensors."""
     for label, r in res.items():
         if label == "eager":
             continue
@@ -232,8 +213,31 @@ def run_case(model: Any, name: str, b: int, prompt_len: int, steps: int, compile
     for r in res.values():
         r.pop("logits", None)
         r.pop("tokens", None)
-        r.pop("runner", None)
-        r.pop("pools_before", None)
+
+
+def run_case(model: Any, name: str, b: int, prompt_len: int, steps: int, compile_modes: bool) -> dict[str, Any]:
+    vocab = model.config.vocab_size
+    prompt = torch.randint(0, vocab, (b, prompt_len), device="cuda", generator=torch.Generator("cuda").manual_seed(b))
+    max_len = prompt_len + steps + 8
+
+    def fresh() -> tuple[Any, torch.Tensor]:
+        cache = new_cache(model, b, max_len)
+        with torch.no_grad():
+            first = prefill(model, cache, prompt)
+        return cache, first
+
+    res: dict[str, Any] = {}
+    with torch.no_grad():
+        cache, first = fresh()
+        res["eager"] = decode(make_step(model, cache), first, prompt_len, steps, None)
+        # hand-captured and gfxgraph capture the step over a cache object; decode must use that cache.
+        # The backend before reduce-overhead: whatever compilation caching is left (see the docstring)
+        # favours reduce-overhead, so the warm-up comparison is not tilted our way.
+        labels = ("hand_captured", "gfxgraph_pool", "gfxgraph_pool_copy") + (
+            ("backend_gfxgraph", "backend_gfxgraph_copy", "reduce_overhead") if compile_modes else ())
+        for label in labels:
+            res[label] = _run_mode(model, label, fresh, prompt, steps, res["eager"]["tokens"])
+    _compare_with_eager(res)
     return res
 
 
@@ -242,16 +246,72 @@ def warm_compilers() -> None:
     timed compile, for both compile modes alike: otherwise whichever mode compiles first carries it."""
     x = torch.randn(4, 8, device="cuda")
     for kw in ({"mode": "reduce-overhead"}, {"backend": "gfxgraph"}):
-        torch._dynamo.reset()
+        torch.compiler.reset()
         f = torch.compile(lambda t: torch.nn.functional.gelu(t) * 2 + 1, **kw)
         with torch.no_grad():
             for _ in range(3):
                 f(x)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     torch.cuda.synchronize()
 
 
+def _case_figures(tag: str, r: dict[str, Any]) -> list[dict[str, Any]]:
+    """The figures of one (model, batch size) case from its modes' results."""
+    figures = []
+    hand, pool = r["hand_captured"]["ms_per_token"], r["gfxgraph_pool"]["ms_per_token"]
+    for label, what in (("eager", "eager"), ("gfxgraph_pool", "gfxgraph pool"),
+                        ("reduce_overhead", "reduce-overhead"), ("backend_gfxgraph", "backend=gfxgraph")):
+        if label in r:
+            m = r[label]
+            figures += [
+                figure(f"{tag} {what} tokens/s", m["tokens_per_s"], None, None),
+                figure(f"{tag} {what} step p50 (p99 in note)", m["ms_p50"], None, None, "ms",
+                       note=f"p99 {m['ms_p99']:.3f} ms"),
+            ]
+            if label != "eager":
+                figures.append(figure(
+                    f"{tag} {what} max |logit - eager| (teacher forcing)", m["max_abs_logit_diff"], None,
+                    None, note=f"greedy token agreement with eager {m['argmax_agreement']:.3f}"))
+    figures += [
+        figure(f"{tag} eager ms/token", r["eager"]["ms_per_token"], None, None, "ms"),
+        figure(f"{tag} hand-captured ms/token", hand, None, None, "ms"),
+        figure(f"{tag} gfxgraph pool ms/token", pool, None, None, "ms"),
+        figure(f"{tag} gfxgraph pool / hand-captured", pool / hand, "<= 1.05", pool / hand <= 1.05),
+        figure(f"{tag} gfxgraph pool (copy_outputs) / hand-captured",
+               r["gfxgraph_pool_copy"]["ms_per_token"] / hand, None, None),
+        figure(f"{tag} eager / gfxgraph pool (speed-up)", r["eager"]["ms_per_token"] / pool, None, None),
+    ]
+    if "reduce_overhead" in r:
+        figures += _compile_figures(tag, r)
+    return figures
+
+
+def _compile_figures(tag: str, r: dict[str, Any]) -> list[dict[str, Any]]:
+    ro, be, bc = r["reduce_overhead"], r.get("backend_gfxgraph"), r.get("backend_gfxgraph_copy")
+    figures = [
+        figure(f"{tag} reduce-overhead ms/token", ro["ms_per_token"], None, None, "ms"),
+        figure(f"{tag} reduce-overhead warm-up", ro["setup_s"], None, None, "s"),
+    ]
+    if be is not None:
+        figures += [
+            figure(f"{tag} backend=gfxgraph ms/token", be["ms_per_token"], "<= reduce-overhead",
+                   be["ms_per_token"] <= ro["ms_per_token"], "ms"),
+            figure(f"{tag} backend=gfxgraph warm-up", be["setup_s"], "<= reduce-overhead",
+                   be["setup_s"] <= ro["setup_s"], "s"),
+            figure(f"{tag} backend=gfxgraph graph memory", be["graph_bytes"] / 2**20, None, None, "MiB",
+                   note=f"reduce-overhead {ro['graph_bytes'] / 2**20:.0f} MiB"),
+        ]
+    if bc is not None:
+        figures.append(figure(f"{tag} backend=gfxgraph with copy_outputs=True ms/token",
+                              bc["ms_per_token"], None, None, "ms",
+                              note="the default; a copy of the logits per step"))
+    return figures
+
+
 def main() -> None:
+    # compile times must be first-compile times: no inductor cache carries work from one mode to the
+    # next (inductor reads this when it is first imported, at the first compile below)
+    os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
     p = parser(__doc__)
     p.add_argument("--models", default="llama-1.2b,llama-small")
     p.add_argument("--batch", default="1,8,32")
@@ -266,57 +326,13 @@ def main() -> None:
         warm_compilers()
     for name in args.models.split(","):
         model = build_model(name)
-        n_params = sum(x.numel() for x in model.parameters())
-        results[name] = {"params": n_params}
+        results[name] = {"params": sum(x.numel() for x in model.parameters())}
         for b in (int(x) for x in args.batch.split(",")):
             compile_modes = (not args.no_compile and name == "llama-1.2b"
                              and str(b) in args.compile_batch.split(","))
             r = run_case(model, name, b, args.prompt, args.steps, compile_modes)
             results[name][f"bs{b}"] = r
-            tag = f"{name} bs={b}"
-            hand, pool = r["hand_captured"]["ms_per_token"], r["gfxgraph_pool"]["ms_per_token"]
-            for label, what in (("eager", "eager"), ("gfxgraph_pool", "gfxgraph pool"),
-                                ("reduce_overhead", "reduce-overhead"), ("backend_gfxgraph", "backend=gfxgraph")):
-                if label in r:
-                    m = r[label]
-                    figures += [
-                        figure(f"{tag} {what} tokens/s", m["tokens_per_s"], None, None),
-                        figure(f"{tag} {what} step p50 (p99 in note)", m["ms_p50"], None, None, "ms",
-                               note=f"p99 {m['ms_p99']:.3f} ms"),
-                    ]
-                    if label != "eager":
-                        figures.append(figure(
-                            f"{tag} {what} max |logit - eager| (teacher forcing)", m["max_abs_logit_diff"], None,
-                            None, note=f"greedy token agreement with eager {m['argmax_agreement']:.3f}"))
-            figures += [
-                figure(f"{tag} eager ms/token", r["eager"]["ms_per_token"], None, None, "ms"),
-                figure(f"{tag} hand-captured ms/token", hand, None, None, "ms"),
-                figure(f"{tag} gfxgraph pool ms/token", pool, None, None, "ms"),
-                figure(f"{tag} gfxgraph pool / hand-captured", pool / hand, "<= 1.05", pool / hand <= 1.05),
-                figure(f"{tag} gfxgraph pool (copy_outputs) / hand-captured",
-                       r["gfxgraph_pool_copy"]["ms_per_token"] / hand, None, None),
-                figure(f"{tag} eager / gfxgraph pool (speed-up)", r["eager"]["ms_per_token"] / pool, None, None),
-            ]
-            if "reduce_overhead" in r:
-                ro, be = r["reduce_overhead"], r.get("backend_gfxgraph")
-                figures += [
-                    figure(f"{tag} reduce-overhead ms/token", ro["ms_per_token"], None, None, "ms"),
-                    figure(f"{tag} reduce-overhead warm-up", ro["setup_s"], None, None, "s"),
-                ]
-                if be is not None:
-                    figures += [
-                        figure(f"{tag} backend=gfxgraph ms/token", be["ms_per_token"], "<= reduce-overhead",
-                               be["ms_per_token"] <= ro["ms_per_token"], "ms"),
-                        figure(f"{tag} backend=gfxgraph warm-up", be["setup_s"], "<= reduce-overhead",
-                               be["setup_s"] <= ro["setup_s"], "s"),
-                        figure(f"{tag} backend=gfxgraph graph memory", be["graph_bytes"] / 2**20, None, None, "MiB",
-                               note=f"reduce-overhead {ro['graph_bytes'] / 2**20:.0f} MiB"),
-                    ]
-                bc = r.get("backend_gfxgraph_copy")
-                if bc is not None:
-                    figures.append(figure(f"{tag} backend=gfxgraph with copy_outputs=True ms/token",
-                                          bc["ms_per_token"], None, None, "ms",
-                                          note="the default; a copy of the logits per step"))
+            figures += _case_figures(f"{name} bs={b}", r)
         del model
         torch.cuda.empty_cache()
     write(args.out, "llm_decode", figures, {"method": __doc__, "results": results, "steps": args.steps,

@@ -1,12 +1,14 @@
-"""Shared pieces of the device benchmarks: environment record, figures with targets, output."""
+"""Shared pieces of the benchmark suites: environment record, figures with targets, output."""
 
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
 import json
+import os
 import platform
 import statistics
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +25,12 @@ def environment() -> dict[str, Any]:
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
     try:
-        from importlib.metadata import version
-
         env["cuda_bindings"] = version("cuda-bindings")
-    except Exception:
+    except PackageNotFoundError:
         env["cuda_bindings"] = None
     if torch.cuda.is_available():
         try:
-            from cuda.bindings import runtime as cudart
+            from cuda.bindings import runtime as cudart  # optional: the cuda extra
 
             err, drv = cudart.cudaDriverGetVersion()
             env["driver_api_version"] = drv
@@ -75,3 +75,14 @@ def table(name: str, figures: list[dict[str, Any]]) -> str:
         res = "-" if f["pass"] is None else ("pass" if f["pass"] else "MISS")
         rows.append(f"| {f['name']} | {val} | {f['target'] or '-'} | {res} |")
     return "\n".join(rows)
+
+
+def package_root() -> Path:
+    """The folder that holds the ``gfxgraph`` package (``src/`` in a checkout, site-packages when installed)."""
+    return Path(__file__).resolve().parents[2]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child interpreter that must import this same gfxgraph."""
+    path = os.pathsep.join(p for p in (str(package_root()), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}

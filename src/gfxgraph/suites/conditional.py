@@ -16,7 +16,7 @@ Figures and targets (issue 5), all in this process on one GPU:
   read) vs per-branch dispatch after a host read of the selector (``ConditionalGraph``
   dispatch), per call on random device selectors: ratio reported.
 
-Run: ``python benchmarks/conditional.py --out DIR`` (under a minute on an H200).
+Run: ``python -m gfxgraph.suites.conditional --out DIR`` (under a minute on an H200).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from _common import figure, parser, write
+from gfxgraph.suites._common import figure, parser, write
 from hipgraph_bridge.conditional.native_nodes import BodyPool, NativeConditional, side_stream
 from hipgraph_bridge.conditional.support import conditional_support
 from hipgraph_bridge.conditional import ConditionalGraph
@@ -77,22 +77,9 @@ def body(i: torch.Tensor, x: torch.Tensor) -> None:
     i.add_(1)
 
 
-def bench_while(quick: bool) -> tuple[list[dict], dict]:
-    start_i = torch.zeros((), dtype=torch.int64, device="cuda")
-    start_x = torch.randn(N, device="cuda")
-    native = DeviceWhileLoop(LoopCondition(0, "<", ITERS), body, (start_i, start_x), max_iters=10 * ITERS,
-                             strategy="native", copy_outputs=False)
-    native.capture()
-    host_graph = DeviceWhileLoop(LoopCondition(0, "<", ITERS), body, (start_i, start_x), max_iters=10 * ITERS,
-                                 strategy="host", copy_outputs=False)
-    host_graph.capture()
-
-    def host_loop() -> None:
-        i, x = start_i.clone(), start_x.clone()
-        while (i < ITERS).item():
-            body(i, x)
-
-    # the same 64 iterations unrolled into one graph, with the same state reset
+def _unrolled(start_i: torch.Tensor, start_x: torch.Tensor) -> tuple[Callable[[], None], torch.Tensor, torch.Tensor]:
+    """The same 64 iterations unrolled into one graph, with the same state reset; returns the
+    run function and the state tensors it ends in."""
     i_u, x_u = start_i.clone(), start_x.clone()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -109,6 +96,25 @@ def bench_while(quick: bool) -> tuple[list[dict], dict]:
         x_u.copy_(start_x)
         unrolled.replay()
 
+    return run_unrolled, i_u, x_u
+
+
+def bench_while(quick: bool) -> tuple[list[dict], dict]:
+    start_i = torch.zeros((), dtype=torch.int64, device="cuda")
+    start_x = torch.randn(N, device="cuda")
+    native = DeviceWhileLoop(LoopCondition(0, "<", ITERS), body, (start_i, start_x), max_iters=10 * ITERS,
+                             strategy="native", copy_outputs=False)
+    native.capture()
+    host_graph = DeviceWhileLoop(LoopCondition(0, "<", ITERS), body, (start_i, start_x), max_iters=10 * ITERS,
+                                 strategy="host", copy_outputs=False)
+    host_graph.capture()
+
+    def host_loop() -> None:
+        i, x = start_i.clone(), start_x.clone()
+        while (i < ITERS).item():
+            body(i, x)
+
+    run_unrolled, i_u, x_u = _unrolled(start_i, start_x)
     # every variant ends in the same state
     i_n, x_n = native.run(start_i, start_x)
     i_h, x_h = host_graph.run(start_i, start_x)

@@ -16,14 +16,15 @@ llm_decode), so each compile mode's first call is a cold compile.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Any, Callable
 
 import torch
 
-from _common import figure, parser, write
-from llm_decode import CONFIGS, build_model
+from gfxgraph.suites._common import figure, parser, write
+from gfxgraph.suites.llm_decode import CONFIGS, build_model
 
 PROMPT, NEW, SIZES = 16, 128, (1, 4, 5)
 
@@ -40,7 +41,7 @@ def run_mode(model: Any, mode: str, reps: int) -> dict[str, Any]:
     import gfxgraph.hf
     from transformers import CompileConfig
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     decoder = gfxgraph.hf.StaticCacheDecoder(model, max_cache_len=PROMPT + NEW + 8) if mode == "decoder" else None
     kw: dict[str, Any] = {"disable_compile": True} if mode == "eager" else {
         "compile_config": gfxgraph.hf.compile_config() if mode == "gfxgraph" else CompileConfig()}
@@ -61,12 +62,13 @@ def run_mode(model: Any, mode: str, reps: int) -> dict[str, Any]:
         later = [_timed(call)[0] for _ in range(reps)]
         res[f"bs{b}"] = {"first_call_s": first, "ms_per_token": statistics.median(later) / NEW * 1e3,
                          "tokens": tokens}
-    torch._dynamo.reset()
+    torch.compiler.reset()
     return res
 
 
 def main() -> None:
     args = parser(__doc__).parse_args()
+    os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"  # first calls are cold compiles, in both modes
     model = build_model("llama-small")
     reps = 1 if args.quick else 3
     modes = {m: run_mode(model, m, reps) for m in ("eager", "gfxgraph", "reduce-overhead", "decoder")}

@@ -27,18 +27,15 @@ Targets (issue 19) beside each figure.
 from __future__ import annotations
 
 import gc
-import os
 import statistics
 import time
 from typing import Any, Callable
 
-os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "0")  # llm_decode disables them; not needed here
+import torch
 
-import torch  # noqa: E402
-
-from _common import figure, parser, write  # noqa: E402
-from hipgraph_bridge import OriginalCUDAGraph, ShapeBucketPool, graph_pool_bytes  # noqa: E402
-from llm_decode import CONFIGS, HandCaptured, new_cache, prefill, warm_compilers  # noqa: E402
+from gfxgraph.suites._common import figure, parser, write
+from hipgraph_bridge import OriginalCUDAGraph, ShapeBucketPool, graph_pool_bytes
+from gfxgraph.suites.llm_decode import CONFIGS, HandCaptured, new_cache, prefill, warm_compilers
 
 BUCKETS_36 = sorted([1, 2, 4, 8, 12, *range(16, 257, 8)])
 DECODE_CFG = {**CONFIGS["llama-small"], "num_hidden_layers": 8}
@@ -79,7 +76,7 @@ def call_modes(batch: int, bucket: int = 8) -> dict[str, Callable[[], Any]]:
     zero(x)
     io = zero.static_io(batch)
     io.args[0].copy_(x)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     backend = torch.compile(torch.nn.Linear(64, 64).cuda(), backend="gfxgraph",
                             options={"buckets": [bucket], "copy_outputs": True})
     backend_nocopy = torch.compile(torch.nn.Linear(64, 64).cuda(), backend="gfxgraph",
@@ -129,7 +126,7 @@ def part_call_overhead(rounds: int) -> tuple[dict[str, Any], list[dict[str, Any]
                        us["backend=gfxgraph copy_outputs=False"] / ro <= 0.6, note="both return static outputs"),
             ]
             del modes
-            torch._dynamo.reset()
+            torch.compiler.reset()
     return res, figs
 
 
@@ -235,12 +232,12 @@ def decode_case(model: Any, b: int, steps: int, rounds: int, prompt_len: int = 1
         for label in (graphs if r % 2 == 0 else graphs[::-1]):
             tokens[label] = _decode_once(modes[label], label, model, prompt, steps)
     for label in ("backend=gfxgraph", "reduce-overhead"):
-        torch._dynamo.reset()
+        torch.compiler.reset()
         modes[label] = _setup(label, model, b, prompt, max_len)
         for _ in range(rounds):
             tokens[label] = _decode_once(modes[label], label, model, prompt, steps)
         modes[label]["run"] = None
-        torch._dynamo.reset()
+        torch.compiler.reset()
     ref = tokens["eager"]
     res = {}
     for label, m in modes.items():
@@ -327,7 +324,7 @@ def part_capture_scale(with_backend: bool) -> tuple[dict[str, Any], list[dict[st
         gc.collect()
         torch.cuda.empty_cache()
         if with_backend:
-            torch._dynamo.reset()
+            torch.compiler.reset()
             compiled = torch.compile(step, backend="gfxgraph", options={"buckets": BUCKETS_36})
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -336,7 +333,7 @@ def part_capture_scale(with_backend: bool) -> tuple[dict[str, Any], list[dict[st
                 compiled(z, z)
             torch.cuda.synchronize()
             res["backend warm-up (compile + capture)"] = {"seconds": time.perf_counter() - t0}
-            torch._dynamo.reset()
+            torch.compiler.reset()
     ratio = res["capture_all"]["seconds"] / hand_s
     figs = [
         figure("capture 36 buckets 1.5B: hand-written loop", hand_s, None, None, "s",

@@ -9,7 +9,9 @@ own compilation, and none inherits another's graphs or allocator state. Per cont
 * steady state: the best of N later passes, per call (one untimed pass comes first, so late
   compilations, e.g. gfxgraph's of a frame dynamo specialised to batch size 1, are not in it);
 * graphs alive at the end and their memory (graph-pool bytes from the allocator);
-* dynamo frames compiled, and the largest relative error against eager on 32 calls.
+* dynamo frames compiled, and the largest relative error against eager on 32 calls;
+* last, steady-state ms per call at each batch size of shape_bucketing.SWEEP (``per_batch_ms``
+  in each result; the pool-eager child also times the eager model: ``eager_per_batch_ms``).
 
 Targets (issue 6): gfxgraph steady state >= 5x reduce-overhead's and faster than the pool over
 the eager model; gfxgraph total < mode="default" total + 1 s; graph memory beside
@@ -18,9 +20,9 @@ reduce-overhead's. Each figure is quoted with its target, misses included.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -30,8 +32,13 @@ from typing import Any
 
 import torch
 
-from _common import figure, parser, write
+from gfxgraph.suites._common import child_env, figure, parser, write
+from gfxgraph.suites.shape_bucketing import CALLS, SWEEP, make_model, make_stream, per_batch_ms, run_stream
+from hipgraph_bridge import ShapeBucketPool, graph_pool_bytes
+from hipgraph_bridge._torch_compat import dynamo_counters
+from hipgraph_bridge.compile import backend_stats, compiled_subgraphs, register
 
+MODULE = "gfxgraph.suites.compile_backend"  # each contender's child runs this module
 CONTENDERS = ("gfxgraph", "reduce-overhead", "default", "pool-eager")
 _MARK = "RESULT "
 CHILD_TIMEOUT_S = 300
@@ -50,11 +57,7 @@ def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def child(name: str, passes: int) -> dict[str, Any]:
     """Run one contender over the stream; returns its figures (printed as one JSON line)."""
-    from torch._dynamo.utils import counters
-
-    from hipgraph_bridge import ShapeBucketPool, graph_pool_bytes
-    from shape_bucketing import CALLS, make_model, make_stream, run_stream
-
+    counters = dynamo_counters()  # imports dynamo, so register() below finds it
     model = make_model()
     stream = make_stream()
     with torch.no_grad():  # CUDA context, cuBLAS handles and workspaces: outside every timing
@@ -67,11 +70,6 @@ def child(name: str, passes: int) -> dict[str, Any]:
             out["eager_ms"] = min(run_stream(model, stream) for _ in range(passes)) / CALLS * 1e3
         fn: Any = ShapeBucketPool(model, progress=False)  # default buckets, as the backend's
     elif name == "gfxgraph":
-        import importlib
-
-        from hipgraph_bridge.compile import register
-
-        importlib.import_module("torch._dynamo")
         register()  # the entry point finds it when installed; this covers a PYTHONPATH checkout
         fn = torch.compile(model, backend="gfxgraph")
     elif name == "reduce-overhead":
@@ -85,8 +83,6 @@ def child(name: str, passes: int) -> dict[str, Any]:
         out["total_s"] = run_stream(fn, stream)
         out["first_pass_wall_s"] = time.perf_counter() - t0
         if name == "gfxgraph":
-            from hipgraph_bridge.compile import backend_stats
-
             out["compile_s_first_pass"] = backend_stats()["compile_seconds"]
         out["settle_pass_s"] = run_stream(fn, stream)
         out["steady_ms"] = min(run_stream(fn, stream) for _ in range(passes)) / CALLS * 1e3
@@ -99,20 +95,22 @@ def child(name: str, passes: int) -> dict[str, Any]:
     out["graphs"] = _graphs_alive()
     out["dynamo_frames"] = int(counters["stats"]["unique_graphs"])
     if name == "gfxgraph":
-        from hipgraph_bridge.compile import backend_stats, compiled_subgraphs
-
         out["backend"] = backend_stats()
         out["subgraphs"] = [repr(s) for s in compiled_subgraphs()]
     if name == "pool-eager":
         out["graphs_pool"] = len(fn.captured_buckets)
+    with torch.no_grad():  # last: a size the stream never drew may compile or record a new graph
+        out["per_batch_ms"] = per_batch_ms(fn, SWEEP, passes)
+        if name == "pool-eager":
+            out["eager_per_batch_ms"] = per_batch_ms(model, SWEEP, passes)
     return out
 
 
 def run_child(name: str, passes: int, quick: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"gfxgraph-bench-{name}-") as tmp:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor"),
-               "TRITON_CACHE_DIR": str(Path(tmp) / "triton"), "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, __file__, "--child", name, "--passes", str(passes)]
+        env = child_env(TORCHINDUCTOR_CACHE_DIR=str(Path(tmp) / "inductor"),
+                        TRITON_CACHE_DIR=str(Path(tmp) / "triton"), PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, "-m", MODULE, "--child", name, "--passes", str(passes)]
         t0 = time.perf_counter()
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT_S)
@@ -141,8 +139,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("--child", choices=CONTENDERS, help=argparse_suppress())
-    p.add_argument("--passes", type=int, default=None, help=argparse_suppress())
+    p.add_argument("--child", choices=CONTENDERS, help=argparse.SUPPRESS)
+    p.add_argument("--passes", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     passes = args.passes or (2 if args.quick else 5)
     if args.child:
@@ -192,13 +190,8 @@ def main() -> None:
                    g["backend"]["compile_seconds"] - g["compile_s_first_pass"], None, None, "s",
                    note="frames dynamo specialised (first size, size 1) compile on their second call"),
         ]
-    write(args.out, "compile_backend", figures, {"method": __doc__, "passes": passes, "results": results})
-
-
-def argparse_suppress() -> str:
-    import argparse
-
-    return argparse.SUPPRESS
+    write(args.out, "compile_backend", figures,
+          {"method": __doc__, "passes": passes, "calls": CALLS, "results": results})
 
 
 if __name__ == "__main__":

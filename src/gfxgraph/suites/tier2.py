@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from _common import figure, median, parser, write
+from gfxgraph.suites._common import figure, median, parser, write
 from hipgraph_bridge import OriginalCUDAGraph
 from hipgraph_bridge.compose.compositor import GraphCompositor
 from hipgraph_bridge.compose.pipeline import LaunchPipeline
@@ -140,6 +140,38 @@ def bench_compositor(rounds: int) -> tuple[list[dict], dict]:
 
 
 # -------------------------------------------------------------------- pipeline
+def _pipeline_step_us(rounds: int, stream: torch.cuda.Stream) -> dict[int, float]:
+    """Wall time (us) of a launch+update step with 1 and 2 instances, on a graph that keeps the GPU
+    busy for a while."""
+    y = torch.randn(N, device="cuda")
+    tmp = torch.empty_like(y)
+
+    def work(scale: float) -> None:
+        torch.mul(y, scale, out=tmp)
+        for _ in range(20):
+            torch.mul(tmp, 1.0, out=tmp)
+
+    ga, _ = capture(lambda: work(1.0))
+    gb, _ = capture(lambda: work(1.0001))
+    step_us = {}
+    for n in (1, 2):
+        pipe = LaunchPipeline(ga, instances=n, stream=stream)
+        for _ in range(10):
+            pipe.launch()
+        samples = []
+        for _ in range(rounds):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter_ns()
+            for k in range(20):
+                pipe.update(gb if k % 2 else ga)
+                pipe.launch()
+            torch.cuda.synchronize()
+            samples.append((time.perf_counter_ns() - t0) / 20 / 1000.0)
+        step_us[n] = median(samples)
+        pipe.close()
+    return step_us
+
+
 def bench_pipeline(rounds: int) -> tuple[list[dict], dict]:
     x = torch.zeros(1, device="cuda")
     g, _ = capture(lambda: x.add_(1.0))  # one kernel
@@ -171,33 +203,7 @@ def bench_pipeline(rounds: int) -> tuple[list[dict], dict]:
         p.close()
     raw_exec.close()
 
-    # launch + update per step, on a graph that keeps the GPU busy for a while
-    y = torch.randn(N, device="cuda")
-    tmp = torch.empty_like(y)
-
-    def work(scale: float) -> None:
-        torch.mul(y, scale, out=tmp)
-        for _ in range(20):
-            torch.mul(tmp, 1.0, out=tmp)
-
-    ga, _ = capture(lambda: work(1.0))
-    gb, _ = capture(lambda: work(1.0001))
-    step_us = {}
-    for n in (1, 2):
-        pipe = LaunchPipeline(ga, instances=n, stream=stream)
-        for _ in range(10):
-            pipe.launch()
-        samples = []
-        for _ in range(rounds):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter_ns()
-            for k in range(20):
-                pipe.update(gb if k % 2 else ga)
-                pipe.launch()
-            torch.cuda.synchronize()
-            samples.append((time.perf_counter_ns() - t0) / 20 / 1000.0)
-        step_us[n] = median(samples)
-        pipe.close()
+    step_us = _pipeline_step_us(rounds, stream)
     figures += [
         figure("pipeline: launch+update step, 1 instance (wall)", step_us[1], None, None, "us"),
         figure("pipeline: launch+update step, 2 instances (wall)", step_us[2], None, None, "us"),

@@ -13,7 +13,7 @@ import time
 import torch
 
 import gfxgraph
-from _common import figure, median, parser, write
+from gfxgraph.suites._common import figure, median, parser, write
 from hipgraph_bridge import OriginalCUDAGraph
 
 
