@@ -132,13 +132,13 @@ def test_a_missing_figure_drops_its_bar_not_the_chart():
 
 
 def test_unknown_suite_gets_one_bar_chart_of_its_main_unit():
-    doc = {"benchmark": "call_overhead", "environment": {}, "figures": [
+    doc = {"benchmark": "some_new_suite", "environment": {}, "figures": [
         {"name": "a", "value": 3.0, "unit": "us", "target": None, "pass": None},
         {"name": "b", "value": 4.0, "unit": "us", "target": None, "pass": None},
         {"name": "c", "value": 1.0, "unit": "ms", "target": None, "pass": None},
         {"name": "ratio", "value": 1.1, "unit": "", "target": "<= 2", "pass": True}]}
     (chart,) = charts(doc)
-    assert chart.stem == "call_overhead"
+    assert chart.stem == "some_new_suite"
     assert chart.panels[0].bars == (("a", "default", 3.0), ("b", "default", 4.0))
     assert charts({"benchmark": "x", "environment": {}, "figures": doc["figures"][3:]}) == []
 

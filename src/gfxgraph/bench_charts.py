@@ -315,6 +315,40 @@ def generic_charts(doc: dict[str, Any]) -> list[Chart]:
                   (panel,), f"The suite's figures measured in {unit}.", legend=False)]
 
 
+def hf_generate_charts(doc: dict[str, Any]) -> list[Chart]:
+    res = doc.get("results", {})
+    modes = (("eager", "generate(), eager", "eager"), ("gfxgraph", "generate(), gfxgraph.hf.compile_config()", "backend"),
+             ("reduce-overhead", "generate(), CompileConfig() (reduce-overhead)", "reduce-overhead"),
+             ("decoder", "gfxgraph.hf.StaticCacheDecoder", "pool"))
+    series = tuple(Series(label, key, _per_batch({k: {mode: v} for k, v in res.get(mode, {}).items()}, mode,
+                                                 "ms_per_token")) for mode, label, key in modes)
+    first = tuple((label, key, float(res[mode]["bs1"]["first_call_s"])) for mode, label, key in modes
+                  if isinstance(res.get(mode, {}).get("bs1", {}).get("first_call_s"), (int, float)))
+    panels = (_line("greedy decode, 128 new tokens", "batch size", "ms per token", tuple(s for s in series if s.points)),
+              BarPanel("first call at batch 1 (compile and capture included)", "seconds", first))
+    return [Chart("hf_generate", "transformers generate(): gfxgraph against reduce-overhead", _nonempty(panels),
+                  "Left: ms per token against batch size (5 is not a bucket); right: the first call's seconds.")]
+
+
+def call_overhead_charts(doc: dict[str, Any]) -> list[Chart]:
+    res = doc.get("results", {})
+    keys = {"raw replay": "default", "hand-written loop": "hand", "pool": "pool", "pool copy_outputs=False": "pool",
+            "pool zero-copy": "pool", "eager": "eager", "backend=gfxgraph": "backend",
+            "backend=gfxgraph copy_outputs=False": "backend", 'backend="eager" (dynamo alone)': "default",
+            "reduce-overhead": "reduce-overhead"}
+    calls = res.get("calls", {}).get("batch 5 in bucket 8", {})
+    call_bars = tuple((k, keys.get(k, "default"), float(v)) for k, v in calls.items() if isinstance(v, (int, float)))
+    decode = res.get("decode", {}).get("bs1", {})
+    decode_bars = tuple((k, keys.get(k.replace("hand-written graph", "hand-written loop"), "default"),
+                         float(v["ms_per_token"])) for k, v in decode.items()
+                        if isinstance(v, dict) and isinstance(v.get("ms_per_token"), (int, float)))
+    panels = (BarPanel("host time per call, batch 5 in bucket 8", "microseconds", call_bars, log=True),
+              BarPanel("decode with a host read per token, bs 1", "ms per token", decode_bars))
+    return [Chart("call_overhead", "What a call costs the host", _nonempty(panels),
+                  "Left: host time of one call of a 64x64 Linear per mode (log scale); right: a greedy decode "
+                  "loop that reads every token on the host.", legend=False)]
+
+
 def _nonempty(panels: tuple) -> tuple:
     return tuple(p for p in panels if (p.series if isinstance(p, LinePanel) else p.bars))
 
@@ -326,6 +360,8 @@ SUITE_CHARTS: dict[str, Callable[[dict[str, Any]], list[Chart]]] = {
     "replay_overhead": replay_overhead_charts,
     "conditional": conditional_charts,
     "tier2": tier2_charts,
+    "hf_generate": hf_generate_charts,
+    "call_overhead": call_overhead_charts,
     "reliability": lambda doc: [],  # its table is the result; a chart of all-green bars says nothing more
 }
 
