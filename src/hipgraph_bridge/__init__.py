@@ -8,7 +8,7 @@ only those below it): ``runtime`` <- ``graph`` <- ``bucketing``,
 
 from __future__ import annotations
 
-from .bucketing import ShapeBucketPool, default_buckets, validate_buckets
+from .bucketing import RankAgreement, ShapeBucketPool, default_buckets, validate_buckets
 from .compat import BridgedCUDAGraph
 from .compile import BackendOptions, backend_stats, compiled_subgraphs, gfxgraph_backend
 from .compose import (
@@ -31,7 +31,14 @@ from .conditional import (
     conditional_select,
     conditional_support,
 )
-from .errors import ConfigError, GraphCaptureError, GraphRuntimeError, GraphsUnavailableError, StaleOutputError
+from .errors import (
+    ConfigError,
+    GraphCaptureError,
+    GraphRuntimeError,
+    GraphsUnavailableError,
+    RankAgreementError,
+    StaleOutputError,
+)
 from .graph import GraphCapture, GraphState, OriginalCUDAGraph, SafeCUDAGraph, graph_pool_bytes
 from .health import health_check
 from .platform import Platform, probe
@@ -52,6 +59,8 @@ __all__ = [
     "GraphRuntimeError",
     "GraphsUnavailableError",
     "ShapeBucketPool",
+    "RankAgreement",
+    "RankAgreementError",
     "default_buckets",
     "validate_buckets",
     "gfxgraph_backend",

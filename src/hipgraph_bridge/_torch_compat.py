@@ -31,6 +31,9 @@ debug-mode output views        ``torch._C.DisableTorchFunctionSubclass``   same
 dynamo / inductor              ``compile_fx``, ``list_mode_options``,      same
                                ``get_static_address_type``, the backend
                                registry, ``TracingContext.fw_metadata``
+collectives in an FX graph     ``torch._ops.OpOverload[Packet]`` in the    same
+                               ``_c10d_functional`` (and ``c10d``) op
+                               namespaces
 =============================  ==========================================  ======================================
 
 Function-local imports here are of ``torch._dynamo``/``torch._inductor``:
@@ -313,6 +316,19 @@ def is_dynamo_signal(exc: BaseException) -> bool:
         return False
     signals = tuple(t for t in (getattr(dexc, "SkipFrame", None), getattr(dexc, "RestartAnalysis", None)) if t)
     return isinstance(exc, signals)
+
+
+# the op namespaces dynamo traces torch.distributed collectives into (private names of c10d)
+_COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd", "c10d_functional", "c10d"})
+
+
+def collective_op_name(target: Any) -> str | None:
+    """The name of an FX node target that is a torch.distributed collective (None if it is not)."""
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        name = str(target)
+        return name if name.split(".")[0] in _COLLECTIVE_NAMESPACES else None
+    module = getattr(target, "__module__", None) or ""
+    return f"{module}.{getattr(target, '__name__', '?')}" if module.startswith("torch.distributed") else None
 
 
 def describe() -> dict[str, Any]:

@@ -9,7 +9,8 @@ catching them; :class:`ConfigError` is a ``ValueError`` (a bad value).
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "GraphsUnavailableError", "GraphCaptureError", "GraphRuntimeError", "StaleOutputError"]
+__all__ = ["ConfigError", "GraphsUnavailableError", "GraphCaptureError", "GraphRuntimeError", "StaleOutputError",
+           "RankAgreementError"]
 
 
 class ConfigError(ValueError):
@@ -45,3 +46,14 @@ class GraphRuntimeError(RuntimeError):
 
 class StaleOutputError(RuntimeError):
     """A graph's output view was used after a later call overwrote it (caught in debug mode only)."""
+
+
+class RankAgreementError(RuntimeError):
+    """The ranks of a process group could not agree on a pool decision, so no rank goes on alone.
+
+    Raised on every rank that is still answering: when a peer left a call by
+    raising (the message names the rank and its error), when the ranks are
+    at different steps (naming each rank's), or when a peer did not answer
+    within the agreement timeout. A timeout or a mismatch breaks the
+    agreement for good (later calls raise at once); a peer's exception does not.
+    """

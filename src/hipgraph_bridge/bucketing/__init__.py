@@ -4,5 +4,6 @@ from __future__ import annotations
 
 from .buckets import BucketTable, default_buckets, validate_buckets
 from .pool import ShapeBucketPool
+from .ranks import RankAgreement
 
-__all__ = ["ShapeBucketPool", "BucketTable", "default_buckets", "validate_buckets"]
+__all__ = ["ShapeBucketPool", "RankAgreement", "BucketTable", "default_buckets", "validate_buckets"]

@@ -24,12 +24,14 @@ from ..platform import probe
 from ..tree import clone_tree
 from .buckets import BucketTable
 from .buffers import StaticInputs
+from .agreed import agreed_capture, agreed_probe
 from .capture import BucketCapturer, Captured
 from .entry import MISSING, Bucket
 from .layout import CallLayout, QuickPlan
 from .ordering import CallOrder
-from .outputs import BatchedOutputs, OutputLayout, learn_output_layout, probe_other_size
+from .outputs import BatchedOutputs, OutputLayout, learn_output_layout, probe_other_size, probe_sizes
 from .padding import UNKNOWN_OUTPUTS, PaddingGuard
+from .ranks import RankSession
 
 __all__ = ["BucketCalls"]
 
@@ -52,6 +54,7 @@ class BucketCalls:
     _padding: PaddingGuard
     _table: BucketTable
     _capturer: BucketCapturer
+    _ranks: RankSession | None
     _graphs_available: bool
     _inputs: StaticInputs | None
     _quick: QuickPlan | None
@@ -189,16 +192,20 @@ class BucketCalls:
         (reason ``padded_run_failed``); if they raise too, the entry is
         forgotten (a bad input, not a bad bucket) and that error propagates.
         A stateful model is not run again: the buffers held exactly the
-        caller's batch, and a second run would write the state twice.
+        caller's batch, and a second run would write the state twice. Under a
+        rank agreement the entry is kept (every rank's pool holds the same
+        entries), and ranks whose own run did not fail take this path too.
         """
         if self.stateful:
-            del self._entries[key]
+            if self._ranks is None:
+                del self._entries[key]
             assert error is not None
             raise error
         try:
             out = self._ran_eagerly(args, kwargs)
         except Exception:
-            self._entries.pop(key, None)
+            if self._ranks is None:
+                self._entries.pop(key, None)
             raise
         logger.warning("gfxgraph: bucket %d runs eagerly from now on: the model raised on the padded inputs "
                        "but not on the caller's own: %s", key[0], entry.failed)
@@ -224,6 +231,8 @@ class BucketCalls:
             with torch.no_grad():
                 outputs = self.model_fn(*a, **k)
         except Exception as exc:
+            if self._ranks is not None:  # agreed at the bucket's simulated capture; a later failure is the model's
+                raise
             entry.failed = f"bucket {entry.size}: {type(exc).__name__}: {exc}"
             return self._after_failed_padded_run(entry, (entry.size, entry.key), exc, args, kwargs)
         layout = self._output_layout(entry, outputs, leaves)
@@ -244,16 +253,23 @@ class BucketCalls:
 
         A ``KeyboardInterrupt`` (any ``BaseException``) during warm-up or capture
         leaves no entry behind, so the next call tries again; the capture itself
-        was already ended cleanly by the graph.
+        was already ended cleanly by the graph. Under a rank agreement every
+        rank captures or none does, the simulated path included (:mod:`.agreed`).
         """
         entry = Bucket(bucket, key[1])
-        if not self._graphs_available:
+        ranks = self._ranks
+        if not self._graphs_available and (ranks is None or not self.simulate_padding):
             self._entries[key] = entry
             return entry, Captured()  # runs the padded pipeline eagerly (see _padded_eager)
         assert self._inputs is not None
         a, k = self._inputs.bucket_args(bucket, leaves)
-        captured = self._capturer.capture(lambda: self.model_fn(*a, **k), bucket, keep_warm=keep_warm,
-                                          freeze_gc=freeze_gc)
+        if ranks is None:
+            captured = self._capturer.capture(lambda: self.model_fn(*a, **k), bucket, keep_warm=keep_warm,
+                                              freeze_gc=freeze_gc)
+        else:
+            captured = agreed_capture(ranks, self._capturer if self._graphs_available else None,
+                                      lambda: self.model_fn(*a, **k), bucket, key, keep_warm=keep_warm,
+                                      freeze_gc=freeze_gc, stateful=self.stateful)
         entry.reason, entry.failed = captured.reason, captured.failed
         if captured.outputs is not None:
             self._output_layout(entry, captured.outputs, leaves)
@@ -269,8 +285,17 @@ class BucketCalls:
         inputs = self._inputs
         assert inputs is not None
         never_sliced = self.stateful or self.max_bucket == 1  # a stateful model is never padded, nor re-run
-        probe = None if never_sliced else functools.partial(
-            probe_other_size, self.model_fn, inputs, leaves, entry.size, self.max_bucket)
+        probe: Callable[[], Any] | None = None
+        if never_sliced:
+            pass
+        elif self._ranks is None:
+            probe = functools.partial(probe_other_size, self.model_fn, inputs, leaves, entry.size, self.max_bucket)
+        else:
+            def run_at(size: int) -> Any:
+                a, k = inputs.bucket_args(size, leaves)
+                return self.model_fn(*a, **k)
+
+            probe = functools.partial(agreed_probe, self._ranks, run_at, probe_sizes(entry.size, self.max_bucket))
         layout = learn_output_layout(outputs, entry.size, batch_dim=self.batch_dim, given=self.batched_outputs,
                                      known=self._out_flags.get(entry.key), probe=probe)
         if layout.batched is not None:

@@ -71,11 +71,18 @@ class BucketCapturer:
     def forget_growth(self) -> None:
         self._largest_growth = 0
 
-    def capture(self, run: Callable[[], Any], bucket: int, *, keep_warm: bool, freeze_gc: bool) -> Captured:
-        """Warm ``run`` up and capture it. Exceptions of ``run`` become a failed :class:`Captured`;
-        a ``KeyboardInterrupt`` (any ``BaseException``) propagates after the capture was ended."""
+    def refusal(self, bucket: int) -> str | None:
+        """Why a capture of ``bucket`` now would pass the VRAM cap (None: it may be made)."""
         over, why = exceeds_vram_cap(self._largest_growth, self.vram_cap)
-        if over:
+        return why if over else None
+
+    def capture(self, run: Callable[[], Any], bucket: int, *, keep_warm: bool, freeze_gc: bool,
+                cap_checked: bool = False) -> Captured:
+        """Warm ``run`` up and capture it. Exceptions of ``run`` become a failed :class:`Captured`;
+        a ``KeyboardInterrupt`` (any ``BaseException``) propagates after the capture was ended.
+        ``cap_checked``: :meth:`refusal` was asked already (the ranks agreed on it)."""
+        why = None if cap_checked else self.refusal(bucket)
+        if why is not None:
             logger.warning("gfxgraph: bucket %d runs eagerly: %s", bucket, why)
             return Captured(reason="vram_cap", failed=f"bucket {bucket}: {why}")
         if self._stream is None:

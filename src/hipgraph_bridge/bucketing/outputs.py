@@ -19,7 +19,7 @@ import torch
 from .._torch_compat import pytree
 from ..log import logger
 
-__all__ = ["BatchedOutputs", "OutputLayout", "learn_output_layout", "probe_other_size", "same_kinds",
+__all__ = ["BatchedOutputs", "OutputLayout", "learn_output_layout", "probe_other_size", "probe_sizes", "same_kinds",
            "check_batched_outputs"]
 
 # One flag per output leaf, or a function of the output tree returning them (None: learn them).
@@ -125,6 +125,11 @@ def learn_output_layout(outputs: Any, bucket: int, *, batch_dim: int, given: Bat
                                             for c, p in zip(candidates, other)))
 
 
+def probe_sizes(bucket: int, largest: int) -> list[int]:
+    """The batch sizes a probe tries for ``bucket``: 1, then ``bucket - 1`` (2 for bucket 1), at most ``largest``."""
+    return list(dict.fromkeys(s for s in (1, bucket - 1 if bucket > 1 else 2) if s != bucket and s <= largest))
+
+
 def probe_other_size(model_fn: Callable[..., Any], inputs: Any, leaves: list[Any], bucket: int,
                      largest: int) -> tuple[int, list[Any]] | None:
     """Run the model eagerly at a batch size other than ``bucket`` (on the static buffers' rows).
@@ -134,7 +139,7 @@ def probe_other_size(model_fn: Callable[..., Any], inputs: Any, leaves: list[Any
     model whose state has a fixed batch size, batch norm at batch 1). It runs
     outside any capture, once per constant-argument key.
     """
-    for size in dict.fromkeys(s for s in (1, bucket - 1 if bucket > 1 else 2) if s != bucket and s <= largest):
+    for size in probe_sizes(bucket, largest):
         try:
             with torch.no_grad():
                 a, k = inputs.bucket_args(size, leaves)

@@ -15,7 +15,9 @@ key of constant arguments:
   call returns the eager result: rows interact (a batch mean, batch norm in
   training mode), or the model is random.
 
-The check costs one eager run and a host sync, once per bucket.
+The check costs one eager run and a host sync, once per bucket. Under a rank
+agreement (:mod:`.ranks`) every rank runs it at the same call, and padding
+changed a result everywhere if it did on any rank.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from .. import config, stats
 from ..log import log_once
 from ..validation import checked_against_eager, padding_changed
 from .entry import Bucket
+from .ranks import RankSession, Round, Status, describe_failures, failures
 
 __all__ = ["PaddingGuard", "UNKNOWN_OUTPUTS"]
 
@@ -38,8 +41,9 @@ UNKNOWN_OUTPUTS = ("which outputs carry the batch is unknown, so a padded result
 class PaddingGuard:
     """The padding rules of one pool (see the module docstring)."""
 
-    def __init__(self, *, stateful: bool) -> None:
+    def __init__(self, *, stateful: bool, ranks: RankSession | None = None) -> None:
         self.stateful = stateful
+        self.ranks = ranks  # under a rank agreement the check's outcome is every rank's (module .ranks)
         self.row_coupled: dict[tuple[Hashable, ...], str] = {}  # constants key -> what the check saw
 
     def refusal(self, consts: tuple[Hashable, ...], *, outputs_known: bool) -> tuple[str, str] | None:
@@ -76,8 +80,11 @@ class PaddingGuard:
         The result is ``padded_out`` when they agree, else the eager one (and
         this key's padded calls run eagerly from now on).
         """
-        reference = eager()
-        why = padding_changed(padded_out, reference)
+        if self.ranks is None:
+            reference = eager()
+            why = padding_changed(padded_out, reference)
+        else:
+            reference, why = self._agreed_check(entry, padded_out, eager, self.ranks)
         entry.padding_checked = True  # only once it is decided: a check that raised is tried again
         if not why:
             return padded_out, reference
@@ -87,3 +94,17 @@ class PaddingGuard:
         log_once(("padding_changes_results", id(self)), logging.WARNING, "gfxgraph: ShapeBucketPool: %s", detail)
         stats.record_fallback("padding_changes_results", detail)
         return reference, reference
+
+    @staticmethod
+    def _agreed_check(entry: Bucket, padded_out: Any, eager: Callable[[], Any],
+                      ranks: RankSession) -> tuple[Any, str]:
+        """The check on every rank at once: padding changed a result if it did on any rank (named)."""
+        box: list[Any] = []
+
+        def work() -> tuple[Status, str]:
+            box.append(eager())
+            why = padding_changed(padded_out, box[0])
+            return (Status.REFUSED, why) if why else (Status.OK, "")
+
+        bad = failures(ranks.settle(Round.PADDING_CHECK, entry.size, work))
+        return box[0], describe_failures(bad)

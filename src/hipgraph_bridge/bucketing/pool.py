@@ -35,6 +35,12 @@ own arguments; a padded call never returns what eager would not (:mod:`.padding`
 Calls are serialised by a lock, and one from another stream waits for the
 previous one. :meth:`~ShapeBucketPool.capture_all` runs the model on the
 example arguments: reset model state after it.
+
+With ``process_group=`` (a model that calls torch.distributed collectives)
+every rank makes each of these decisions together (:mod:`.ranks`,
+:mod:`.agreed`): step 2 starts with a host round that agrees the batch size,
+and a bucket's capture, VRAM-cap check, padding check and output probe end
+with one, so no rank ever replays a graph while a peer runs eagerly.
 """
 
 from __future__ import annotations
@@ -54,16 +60,18 @@ from ..graph.capture import check_capture_mode, frozen_gc
 from ..log import logger
 from ..platform import probe
 from ..tree import clone_tree
+from .agreed import agreed_probe, narrow_rows, pad_rows, slice_rows
 from .buckets import BucketTable, default_buckets, validate_buckets
 from .calls import BucketCalls
 from .capture import BucketCapturer
 from .entry import Bucket
 from .buffers import StaticInputs
-from .layout import QuickPlan, classify
+from .layout import CallLayout, QuickPlan, classify
 from .options import check_pool_options
 from .ordering import CallOrder
-from .outputs import BatchedOutputs, check_batched_outputs
+from .outputs import BatchedOutputs, check_batched_outputs, learn_output_layout, probe_sizes
 from .padding import PaddingGuard
+from .ranks import RankAgreement, RankSession, Round, as_agreement
 from .static_io import StaticIO, guard_outputs
 
 __all__ = ["ShapeBucketPool"]
@@ -104,6 +112,13 @@ class ShapeBucketPool(BucketCalls):
         simulate_padding: without a GPU, run calls the way a replay would (padded
             static buffers, sliced outputs) instead of on your own arguments: for
             checking what padding does to a model, on any machine. Off by default.
+        process_group: for a model that calls torch.distributed collectives: a
+            ``ProcessGroup`` or a :class:`~.ranks.RankAgreement` (which says how batch
+            sizes are agreed, and the timeout). Every rank then picks the same bucket,
+            captures in the same order, and falls back together: a capture, VRAM-cap
+            refusal or padding check that fails on one rank makes every rank run that
+            bucket eagerly, with the reason naming the rank (:mod:`.ranks`). Costs one
+            host round per call. Build the pools in the same order on every rank.
 
     Padding rules (stateful models, a model whose rows interact): :mod:`.padding`.
     Inputs that require grad, with grad mode on, run eagerly (reason ``grad``):
@@ -129,6 +144,7 @@ class ShapeBucketPool(BucketCalls):
         batched_outputs: BatchedOutputs = None,
         stateful: bool = False,
         simulate_padding: bool = False,
+        process_group: Any = None,
     ) -> None:
         check_pool_options(model_fn, buckets, max_batch_size, batch_dim, oversize, warmup_iters, pad_value,
                            static_args, generators, copy_outputs=copy_outputs, progress=progress, stateful=stateful,
@@ -147,7 +163,9 @@ class ShapeBucketPool(BucketCalls):
         self.batched_outputs = check_batched_outputs(batched_outputs)
         self.stateful = stateful
         self.simulate_padding = simulate_padding
-        self._padding = PaddingGuard(stateful=stateful)
+        agreement: RankAgreement | None = as_agreement(process_group)
+        self._ranks: RankSession | None = None if agreement is None else agreement.session("ShapeBucketPool")
+        self._padding = PaddingGuard(stateful=stateful, ranks=self._ranks)
         self._classify = functools.partial(classify, batch_dim=batch_dim, static_args=self.static_args)
         self._table = BucketTable(self.buckets)
         self.vram_cap = read_vram_cap() if vram_cap is None else check_vram_cap(vram_cap)
@@ -175,9 +193,12 @@ class ShapeBucketPool(BucketCalls):
         """Run the model on this batch through its bucket's graph; see the module docstring.
 
         Cost over a hand-written bucket loop: checking the arguments against the
-        layout, one lock, one dict lookup. Raises ``TypeError``/``ValueError`` for
+        layout, one lock, one dict lookup (and one host round with the other
+        ranks under ``process_group``). Raises ``TypeError``/``ValueError`` for
         arguments that do not fit the pool (naming what was expected).
         """
+        if self._ranks is not None:
+            return self._agreed_call(self._ranks, args, kwargs)
         quick = self._quick
         matched = quick.match(args) if quick is not None and not kwargs else None
         classified = None if matched is not None else self._classify(args, kwargs)  # outside the lock
@@ -188,7 +209,11 @@ class ShapeBucketPool(BucketCalls):
                 assert inputs is not None  # a quick plan exists only with fixed inputs
                 return self._call(inputs, leaves, batch, args, kwargs)
             # the first call, another layout, inputs that require grad, or the pool was closed meanwhile
-            leaves, layout, batch = classified or self._classify(args, kwargs)
+            return self._classified_call(args, kwargs, *(classified or self._classify(args, kwargs)))
+
+    def _classified_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any],
+                         layout: CallLayout, batch: int) -> Any:
+        with self._lock:
             if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
                 return self._with_grad(args, kwargs)
             first = self._inputs is None
@@ -199,6 +224,55 @@ class ShapeBucketPool(BucketCalls):
                 if first and not self._entries:  # a first call that failed does not fix the layout
                     self._inputs, self._quick = None, None
                 raise
+
+    def _agreed_call(self, ranks: RankSession, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call under a rank agreement: the batch round, then the call at the agreed batch size.
+
+        Arguments that do not fit raise on this rank after telling the others
+        (they raise too). Under ``batch="max"`` a rank with fewer rows than the
+        agreed batch is grown to it with ``pad_value`` rows and its outputs cut back.
+        """
+        try:
+            leaves, layout, batch = self._classify(args, kwargs)
+            inputs = self._inputs
+            if inputs is not None and layout != inputs.layout:
+                inputs.layout.check_matches(layout)
+        except BaseException as exc:
+            if ranks.batch_rule != "trusted":  # the peers wait in this call's batch round
+                ranks.leave(Round.BATCH, 0, exc)
+            raise
+        agreed, sizes = ranks.agree_batch(batch)
+        if not sizes or min(sizes) == agreed:
+            return self._classified_call(args, kwargs, leaves, layout, batch)
+        grown = pad_rows(layout, leaves, agreed, batch_dim=self.batch_dim, pad_value=self.pad_value)
+        a, k = layout.rebuild(grown)
+        out = self._classified_call(a, k, grown, layout, agreed)
+        flags = self._agreed_flags(ranks, out, layout, grown, agreed, sizes)  # on every rank: it may run the model
+        return out if batch == agreed else slice_rows(out, flags, batch, batch_dim=self.batch_dim)
+
+    def _agreed_flags(self, ranks: RankSession, out: Any, layout: CallLayout, leaves: list[Any], rows: int,
+                      sizes: tuple[int, ...]) -> tuple[bool, ...]:
+        """Which outputs carry the batch, to cut a grown call back (learnt with every rank if not known yet)."""
+        consts = layout.consts(leaves) if layout.has_consts else ()
+        with self._lock:
+            flags = self._out_flags.get(consts)
+            if flags is not None:
+                return flags
+
+            def run_at(n: int) -> Any:
+                a, k = layout.rebuild(narrow_rows(layout, leaves, n, batch_dim=self.batch_dim))
+                return self.model_fn(*a, **k)
+
+            probe = functools.partial(agreed_probe, ranks, run_at, probe_sizes(rows, rows))
+            learnt = learn_output_layout(out, rows, batch_dim=self.batch_dim, given=self.batched_outputs,
+                                         known=None, probe=probe)
+            if learnt.batched is None:
+                each = ", ".join(f"rank {r}: {n}" for r, n in enumerate(sizes))
+                raise ValueError(f"ShapeBucketPool: the ranks' batch sizes differ ({each}) and which outputs "
+                                 "carry the batch could not be learnt, so they cannot be cut back; expected "
+                                 "batched_outputs= (one flag per output leaf)")
+            self._out_flags[consts] = learnt.batched
+            return learnt.batched
 
     def capture_all(self, *example_args: Any, **example_kwargs: Any) -> dict[str, Any]:
         """Capture every bucket now, largest first (so smaller ones reuse its memory).
@@ -251,6 +325,8 @@ class ShapeBucketPool(BucketCalls):
             return StaticIO(self._run_io, inputs, batch_size, self._table[batch_size])
 
     def _run_io(self, io: StaticIO) -> Any:
+        if self._ranks is not None:  # zero-copy views have fixed rows: every rank must run this size
+            self._ranks.agree_batch(io.batch_size, exact=True)
         fast, switches = io.fast, config.switches
         if fast is not None and not (switches.validate or switches.debug):
             with self._lock:

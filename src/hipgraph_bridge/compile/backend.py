@@ -23,7 +23,10 @@ mutates, the batch size used as a value, rows that depend on each other (the
 first padded call is compared with an unpadded run), a padded call of a
 subgraph that writes to its parameters or buffers, CPU tensors when a GPU is
 present, non-contiguous batched inputs, more than ``max_variants`` variants.
-Without a GPU the pool runs its padded pipeline eagerly, so the whole path is
+A subgraph whose FX graph calls torch.distributed collectives is graphed
+only with ``options={"process_group": group}`` (reason ``collectives``
+otherwise): its pools then agree with the other ranks, and so does its
+choice to graph. Without a GPU the pool runs its padded pipeline eagerly, so the whole path is
 exercised on CPU. ``gfxgraph.enable(validate=True)`` compares every call with
 an unpadded run and returns the latter.
 

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from .._torch_compat import inductor_config_keys, mode_options
 from ..bucketing.buckets import validate_buckets
+from ..bucketing.ranks import RankAgreement, as_agreement
 from ..checks import check_bool, check_int
 from ..config import check_vram_cap
 from ..errors import ConfigError
@@ -55,6 +56,13 @@ class BackendOptions:
         simulate_padding: without a GPU, run graphed subgraphs through the pool's padded
             pipeline instead of on the call's own inputs (False): for checking what
             padding does, on any machine.
+        process_group: for models that call torch.distributed collectives: a ``ProcessGroup``
+            or a :class:`~hipgraph_bridge.RankAgreement` (batch ``"equal"`` or ``"trusted"``).
+            A subgraph whose graph holds a collective is graphed only with it: its
+            pools agree with the other ranks (same bucket, same captures, fallbacks
+            together) and so does its choice to graph or not. Without it such a
+            subgraph runs compiled, ungraphed (reason ``collectives``). Subgraphs
+            without collectives never wait for other ranks.
     """
 
     buckets: tuple[int, ...] | None = None
@@ -70,6 +78,7 @@ class BackendOptions:
     max_variants: int = 8
     graphs: bool = True
     simulate_padding: bool = False
+    process_group: RankAgreement | None = None
     mode_config: tuple[tuple[str, Any], ...] = field(default=(), repr=False)  # from torch.compile(mode=...)
 
     @classmethod
@@ -124,6 +133,8 @@ class BackendOptions:
             kw["compiler"] = o["compiler"]
         if "inductor_config" in o:
             kw["inductor_config"] = _inductor_patches(o["inductor_config"])
+        if o.get("process_group") is not None:
+            kw["process_group"] = _agreement(o["process_group"])
         kw["mode_config"] = _mode_patches(mode)
         return cls(**kw)
 
@@ -149,6 +160,19 @@ def _inductor_patches(cfg: Any) -> tuple[tuple[str, Any], ...]:
         raise ConfigError(f"options['inductor_config']: unknown inductor config key(s) {hints}; expected keys "
                           "of torch._inductor.config (nested ones dotted, e.g. 'triton.max_tiles')")
     return tuple(sorted(cfg.items()))
+
+
+def _agreement(value: Any) -> RankAgreement:
+    try:
+        agreement = as_agreement(value, name="options['process_group']")
+    except (TypeError, RuntimeError) as exc:
+        raise ConfigError(str(exc)) from None
+    assert agreement is not None
+    if agreement.batch == "max":
+        raise ConfigError("options['process_group']: RankAgreement(batch='max') is not supported by the compile "
+                          "backend (a subgraph it runs ungraphed gets each rank's own batch); expected batch='equal' "
+                          "or 'trusted'")
+    return agreement
 
 
 def _mode_patches(mode: str | None) -> tuple[tuple[str, Any], ...]:

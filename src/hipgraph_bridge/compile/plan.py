@@ -46,9 +46,9 @@ from typing import Any, Literal
 import torch
 from torch import fx
 
-from .._torch_compat import static_address_type, sym_expr, sym_hint, sym_range
+from .._torch_compat import collective_op_name, static_address_type, sym_expr, sym_hint, sym_range
 
-__all__ = ["InputSlot", "IntOutput", "GraphPlan", "analyze", "fx_mutated_inputs"]
+__all__ = ["InputSlot", "IntOutput", "GraphPlan", "analyze", "fx_mutated_inputs", "collective_ops"]
 
 InputKind = Literal["batched", "ref", "owned", "batch_int", "shape_int", "batch_like", "const"]
 
@@ -95,6 +95,7 @@ class GraphPlan:
     devices: frozenset[str]  # device types of the non-ref tensor inputs
     requires_grad: bool  # grad mode on and some tensor input requires grad
     unsupported: tuple[str, str] | None  # (reason key, explanation)
+    collectives: tuple[str, ...] = ()  # torch.distributed collectives the graph calls (sorted names)
 
     def indices(self, *kinds: InputKind) -> list[int]:
         return [s.index for s in self.slots if s.kind in kinds]
@@ -348,7 +349,13 @@ class _Analysis:
         grad = torch.is_grad_enabled() and any(ex[i].requires_grad for i in self.tensors)
         return GraphPlan(tuple(s for s in self.slots if s is not None), static, sym,
                          fixed if sym is None else None, lo_hi, batched_outputs, int_outputs, devices, grad,
-                         self.unsupported)
+                         self.unsupported, collective_ops(self.gm))
+
+
+def collective_ops(gm: fx.GraphModule) -> tuple[str, ...]:
+    """The torch.distributed collectives ``gm`` calls (their waits left out), sorted."""
+    names = {collective_op_name(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    return tuple(sorted(n for n in names if n is not None and ".wait_tensor" not in n))
 
 
 def _outputs(gm: fx.GraphModule, batch_symbols: frozenset[Any], carriers: dict[Any, tuple[int, int | None]],

@@ -34,6 +34,7 @@ from .. import stats
 from .._torch_compat import aot_mutated_inputs, pointers_equal, pytree
 from ..bucketing.buckets import default_buckets
 from ..bucketing.pool import ShapeBucketPool
+from ..bucketing.ranks import RankSession, Round, Status, describe_failures, failures
 from ..log import log_once, logger
 from ..platform import probe
 from .compiler import compile_graph
@@ -99,6 +100,9 @@ class CompiledSubgraph:
             if s.varies and s.kind in ("batched", "owned", "batch_like")]
         self._key_parts += [(i, _CONST) for i in p.indices("const")]
         self.buckets = self._choose_buckets()
+        # a subgraph with collectives decides with the other ranks whether to graph (its pools agree too)
+        self._ranks: RankSession | None = (opts.process_group.session("gfxgraph backend subgraph")
+                                           if opts.process_group is not None and p.collectives else None)
         _registry.add(self)
         if p.static and opts.static_compile_after > 1:
             return  # LAZY: compile on the static_compile_after-th call
@@ -133,6 +137,8 @@ class CompiledSubgraph:
         # subgraph must then run exactly once per call: no unpadded re-run to check padding
         self._writes_state = bool(mutated)
         why = self._why_ungraphed(mutated, failure)
+        if self._ranks is not None:
+            why = self._agreed_why(self._ranks, why)
         if why is None:
             self.state = SubgraphState.GRAPHED
         else:
@@ -150,6 +156,11 @@ class CompiledSubgraph:
             return ("training", "grad mode is on and an input requires grad: the compiled function runs "
                     "without graphs (backward works); call under torch.no_grad() or torch.inference_mode(), "
                     "or requires_grad_(False), for graphs", logging.INFO)
+        if p.collectives and o.process_group is None:
+            return ("collectives", f"the graph calls torch.distributed collectives ({', '.join(p.collectives)}): "
+                    "a graph of it is safe only if every rank picks the same bucket and falls back with the "
+                    "others; pass options={'process_group': group} (the model's group, or a "
+                    "gfxgraph.RankAgreement) to graph it", logging.WARNING)
         if p.unsupported is not None:
             return (*p.unsupported, logging.WARNING)
         copied = sorted(i for i in mutated if p.slots[i].kind != "ref")
@@ -166,6 +177,15 @@ class CompiledSubgraph:
                     else f"the batch sizes this frame admits {p.batch_range}")
             return "oversize", f"no bucket fits {what}", logging.INFO
         return None
+
+    def _agreed_why(self, ranks: RankSession, why: tuple[str, str, int] | None) -> tuple[str, str, int] | None:
+        """Graphed on every rank or on none: one round once compiled, naming the ranks that refuse."""
+        mine = (Status.REFUSED, f"{why[0]}: {why[1]}") if why is not None else (Status.OK, "")
+        bad = failures(ranks.settle(Round.SUBGRAPH, len(self.plan.slots), lambda: mine))
+        if why is None and bad:
+            return ("rank_disagrees", f"other ranks run this subgraph without graphs ({describe_failures(bad)}), "
+                    "so this rank does too: its collectives must run the same way everywhere", logging.WARNING)
+        return why
 
     def _ungraph(self, reason: str, detail: str, level: int) -> None:
         self.state = SubgraphState.UNGRAPHED
@@ -287,7 +307,8 @@ class CompiledSubgraph:
                                batched_outputs=_leaf_flags(self.plan.batched_outputs), stateful=self._writes_state,
                                batch_dim=o.batch_dim, pad_value=o.pad_value, copy_outputs=o.copy_outputs,
                                oversize="eager", warmup_iters=warmup, vram_cap=o.vram_cap, progress=False,
-                               simulate_padding=o.simulate_padding)
+                               simulate_padding=o.simulate_padding,
+                               process_group=o.process_group if self.plan.collectives else None)
         v = self._variants[key] = _Variant(pool, owned)
         return v
 

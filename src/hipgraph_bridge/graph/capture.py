@@ -426,7 +426,9 @@ def warm_up(fn: Callable[[], Any], stream: torch.cuda.Stream, iters: int) -> Any
 def record_on_current_stream(leaves: Sequence[Any]) -> None:
     """Tensors a warm-up made on the capture stream, now read on the caller's: keep the allocator
     from reusing their memory on the capture stream before the caller's stream is done with them."""
+    on_gpu = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_cuda]
+    if not on_gpu:  # a simulated capture's outputs (CPU tensors): no stream to record
+        return
     current = torch.cuda.current_stream()
-    for t in leaves:
-        if isinstance(t, torch.Tensor) and t.is_cuda:
-            t.record_stream(current)
+    for t in on_gpu:
+        t.record_stream(current)
