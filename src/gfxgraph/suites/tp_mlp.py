@@ -19,21 +19,17 @@ the JSON. NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends) in both pr
 from __future__ import annotations
 
 import os
+import datetime
+import socket
+import statistics
+import time
 
-for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
-    os.environ[_k] = _v  # before anything starts NCCL; the spawned ranks inherit it
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-import datetime  # noqa: E402
-import socket  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-
-from _common import figure, parser, write  # noqa: E402
-from hipgraph_bridge import RankAgreement, ShapeBucketPool  # noqa: E402
+from gfxgraph.suites._common import figure, parser, write
+from hipgraph_bridge import RankAgreement, ShapeBucketPool
 
 HIDDEN, FFN, LAYERS, WORLD = 4096, 11008, 4, 2
 SIZES = [1, 2, 3, 4, 5, 8, 12, 16, 24, 32, 40, 48, 64]
@@ -134,6 +130,7 @@ def figures(doc: dict[str, object]) -> list[dict[str, object]]:
 
 
 def worker(rank: int, port: int, out_dir: str, quick: bool) -> None:
+    os.environ.update(NO_MULTICAST)  # also where a rank was started some other way
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=300), device_id=torch.device("cuda", rank))
@@ -146,7 +143,11 @@ def worker(rank: int, port: int, out_dir: str, quick: bool) -> None:
         dist.destroy_process_group()
 
 
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
 def main() -> None:
+    os.environ.update(NO_MULTICAST)  # before anything starts NCCL; the spawned ranks inherit it
     args = parser(__doc__).parse_args()
     if torch.cuda.device_count() < WORLD:
         write(args.out, "tp_mlp", [], {"skipped": f"needs {WORLD} GPUs, found {torch.cuda.device_count()} "
