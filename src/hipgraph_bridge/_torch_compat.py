@@ -29,6 +29,8 @@ symbolic sizes                 ``SymInt.node.expr``/``hint``,              same
 dynamo / inductor              ``compile_fx``, ``list_mode_options``,      same
                                ``get_static_address_type``, the backend
                                registry, ``TracingContext.fw_metadata``
+torch ops by name              ``torch._ops.OpOverload`` and its packet    same
+                               (the piecewise backend's splitting ops)
 =============================  ==========================================  ======================================
 
 Function-local imports here are of ``torch._dynamo``/``torch._inductor``:
@@ -73,6 +75,9 @@ __all__ = [
     "dynamo_registry",
     "lookup_backend",
     "is_dynamo_signal",
+    "resolve_op",
+    "op_packet",
+    "op_name",
     "describe",
 ]
 
@@ -297,6 +302,36 @@ def is_dynamo_signal(exc: BaseException) -> bool:
         return False
     signals = tuple(t for t in (getattr(dexc, "SkipFrame", None), getattr(dexc, "RestartAnalysis", None)) if t)
     return isinstance(exc, signals)
+
+
+# ------------------------------------------------------------------ torch ops by name
+def resolve_op(path: list[str]) -> Any:
+    """``torch.ops.<ns>.<name>[.<overload>]`` for ``path == [ns, name(, overload)]``; None when absent."""
+    obj: Any = torch.ops
+    for part in path:
+        try:
+            obj = getattr(obj, part)
+        except (AttributeError, RuntimeError):
+            return None
+    return obj if isinstance(obj, (torch._ops.OpOverload, torch._ops.OpOverloadPacket,
+                                   torch._ops.HigherOrderOperator)) else None
+
+
+def op_packet(target: Any) -> Any:
+    """The overload packet of an ``OpOverload`` (``aten.add`` for ``aten.add.Tensor``); None for anything else."""
+    return target.overloadpacket if isinstance(target, torch._ops.OpOverload) else None
+
+
+def op_name(obj: Any) -> str | None:
+    """``"ns::op.overload"`` for an ``OpOverload``, ``"ns::op"`` for its packet; None for anything else."""
+    if isinstance(obj, torch._ops.OpOverload):
+        full = obj.name()
+        return full if "." in full.split("::", 1)[1] else f"{full}.default"
+    if isinstance(obj, torch._ops.OpOverloadPacket):
+        return obj._qualified_op_name
+    if isinstance(obj, torch._ops.HigherOrderOperator):
+        return f"higher_order::{obj.name()}"
+    return None
 
 
 def describe() -> dict[str, Any]:

@@ -71,9 +71,11 @@ class BucketCapturer:
     def forget_growth(self) -> None:
         self._largest_growth = 0
 
-    def capture(self, run: Callable[[], Any], bucket: int, *, keep_warm: bool, freeze_gc: bool) -> Captured:
+    def capture(self, run: Callable[[], Any], bucket: int, *, keep_warm: bool, freeze_gc: bool,
+                warmup_iters: int | None = None) -> Captured:
         """Warm ``run`` up and capture it. Exceptions of ``run`` become a failed :class:`Captured`;
-        a ``KeyboardInterrupt`` (any ``BaseException``) propagates after the capture was ended."""
+        a ``KeyboardInterrupt`` (any ``BaseException``) propagates after the capture was ended.
+        ``warmup_iters`` overrides the capturer's for this capture (a state-writing run warms up at most once)."""
         over, why = exceeds_vram_cap(self._largest_growth, self.vram_cap)
         if over:
             logger.warning("gfxgraph: bucket %d runs eagerly: %s", bucket, why)
@@ -90,7 +92,7 @@ class BucketCapturer:
         result.stage = "warm_up"
         try:
             with torch.no_grad():
-                warm = warm_up(run, self._stream, self.warmup_iters)
+                warm = warm_up(run, self._stream, self.warmup_iters if warmup_iters is None else warmup_iters)
                 result.warm = warm if keep_warm else None
                 del warm  # ahead-of-time capture: nobody returns it, so free it before capturing
                 result.stage = "capture"

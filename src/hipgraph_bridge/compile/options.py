@@ -12,6 +12,7 @@ from ..bucketing.buckets import validate_buckets
 from ..checks import check_bool, check_int
 from ..config import check_vram_cap
 from ..errors import ConfigError
+from .splitting import parse_splitting_ops
 
 __all__ = ["BackendOptions", "Compiler"]
 
@@ -55,6 +56,17 @@ class BackendOptions:
         simulate_padding: without a GPU, run graphed subgraphs through the pool's padded
             pipeline instead of on the call's own inputs (False): for checking what
             padding does, on any machine.
+        piecewise: split each dynamo graph at the splitting ops and graph the pieces between
+            them per bucket of the token count (False); see :mod:`.piecewise`.
+        splitting_ops: torch op names to split at besides the default attention ops
+            (:data:`~.splitting.DEFAULT_SPLITTING_OPS`): ``"ns::op"``, ``"ns::op.overload"``,
+            ``"torch.ops.ns.op"`` or a dotted function path; stored resolved and canonical.
+        token_dim: the dimension of the graph's first tensor input that carries the token
+            count (None: found from the dynamic sizes; see :func:`.piecewise.find_token_symbol`).
+        token_buckets: token counts to capture the pieces at; default
+            :func:`~hipgraph_bridge.default_buckets` up to ``max_tokens``.
+        max_tokens: the largest default token bucket (512); longer calls run the pieces
+            compiled, without graphs (reason ``oversize``).
     """
 
     buckets: tuple[int, ...] | None = None
@@ -70,6 +82,11 @@ class BackendOptions:
     max_variants: int = 8
     graphs: bool = True
     simulate_padding: bool = False
+    piecewise: bool = False
+    splitting_ops: tuple[str, ...] = ()
+    token_dim: int | None = None
+    token_buckets: tuple[int, ...] | None = None
+    max_tokens: int = 512
     mode_config: tuple[tuple[str, Any], ...] = field(default=(), repr=False)  # from torch.compile(mode=...)
 
     @classmethod
@@ -107,9 +124,10 @@ class BackendOptions:
         for name in ("batch_dim", "warmup_iters"):
             if name in o:
                 kw[name] = _positive_int(name, o[name], minimum=0)
-        for name in ("copy_outputs", "graphs", "simulate_padding"):
+        for name in ("copy_outputs", "graphs", "simulate_padding", "piecewise"):
             if name in o:
                 kw[name] = _flag(name, o[name])
+        kw.update(_piecewise_options(o))
         if o.get("vram_cap") is not None:
             kw["vram_cap"] = check_vram_cap(o["vram_cap"], name="options['vram_cap']")
         if "pad_value" in o:
@@ -130,6 +148,34 @@ class BackendOptions:
     def inductor_patches(self) -> dict[str, Any]:
         """Config patches for ``compile_fx``: mode's, then the user's, then CUDA graphs off."""
         return {**dict(self.mode_config), **dict(self.inductor_config), "triton.cudagraphs": False}
+
+
+_PIECEWISE_ONLY = ("splitting_ops", "token_dim", "token_buckets", "max_tokens")
+
+
+def _piecewise_options(o: dict[str, Any]) -> dict[str, Any]:
+    """The piecewise options, checked: each needs ``piecewise=True`` and names what it expects."""
+    given = [k for k in _PIECEWISE_ONLY if k in o]
+    if given and o.get("piecewise") is not True:
+        raise ConfigError(f"options[{given[0]!r}]: expected together with options['piecewise'] = True "
+                          f"(it only applies to piecewise graphs), got piecewise={o.get('piecewise', False)!r}")
+    if o.get("token_buckets") is not None and "max_tokens" in o:
+        raise ConfigError(f"options['token_buckets'] and options['max_tokens']: expected one of them "
+                          f"(max_tokens only chooses the default token buckets), got token_buckets="
+                          f"{o['token_buckets']!r} and max_tokens={o['max_tokens']!r}")
+    kw: dict[str, Any] = {}
+    if "splitting_ops" in o:
+        kw["splitting_ops"] = parse_splitting_ops(o["splitting_ops"])
+    if o.get("token_dim") is not None:
+        kw["token_dim"] = _positive_int("token_dim", o["token_dim"], minimum=0)
+    if o.get("token_buckets") is not None:
+        try:
+            kw["token_buckets"] = tuple(validate_buckets(o["token_buckets"]))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"options['token_buckets']: {exc}") from None
+    if "max_tokens" in o:
+        kw["max_tokens"] = _positive_int("max_tokens", o["max_tokens"])
+    return kw
 
 
 def _inductor_patches(cfg: Any) -> tuple[tuple[str, Any], ...]:
