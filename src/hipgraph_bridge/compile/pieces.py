@@ -55,6 +55,7 @@ class _TensorSlot:
     pad_dims: tuple[int, ...]  # dims whose size is exactly the token count
     layout: Layout
     mutated: bool
+    broadcast: tuple[int, ...]  # dims of stride 0 (an expanded input): staged once, not per row
 
 
 @dataclass
@@ -70,6 +71,12 @@ class _Entry:
     checked: bool = False
     reason: str = ""
     failed: str | None = None
+
+
+def _one_row(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    for d in dims:
+        t = t.narrow(d, 0, 1)
+    return t
 
 
 class Piece:
@@ -92,7 +99,9 @@ class Piece:
         for k, f in enumerate(fakes):
             if isinstance(f, torch.Tensor) and k not in refs:
                 dims, mixed = token_dims(f, token)
-                self.slots.append(_TensorSlot(k, dims, Layout(f), k in mutated))
+                layout = Layout(f)
+                broadcast = tuple(d for d, st in enumerate(layout.strides) if isinstance(st, int) and st == 0)
+                self.slots.append(_TensorSlot(k, dims, layout, k in mutated, broadcast))
                 if mixed:
                     compound.append(f"input {k} has shape {tuple(f.shape)}")
             elif (e := sym_expr(f)) is not None and token in e.free_symbols:
@@ -243,10 +252,6 @@ class Piece:
         ctx, env = self.env.ctx, self.env
         entry = _Entry([None] * len(self.slots), [0] * len(self.slots))
         call = self._bucket_args(entry, args, capture=True)
-        if call is None:
-            entry.reason, entry.failed = "strided_input", f"{self.name}: an input with overlapping strides"
-            self.entries[ctx.key] = entry
-            return self._fallback((entry.reason, entry.failed, logging.WARNING), args)
         if env.capturer is None:  # simulate_padding without a GPU
             self.entries[ctx.key] = entry
             out = self.fn(*call)
@@ -290,7 +295,7 @@ class Piece:
         return out if out is not None else self._fallback((entry.reason, entry.failed or "", logging.WARNING),
                                                           args)
 
-    def _bucket_args(self, entry: _Entry, args: tuple[Any, ...], *, capture: bool) -> list[Any] | None:
+    def _bucket_args(self, entry: _Entry, args: tuple[Any, ...], *, capture: bool) -> list[Any]:
         """The piece's arguments at the bucket: padded inputs as they are, real ones staged and padded.
 
         At capture an input that is already a graph output of this call (at
@@ -315,18 +320,14 @@ class Piece:
                 continue
             if entry.statics[pos] is None:
                 buf = self._staging(pos, slot, shape, strides, at_b)
-                if buf is None:
-                    return None
                 entry.statics[pos], entry.ptrs[pos] = buf, buf.data_ptr()
             self._stage(entry, pos, a)
             call[slot.index] = entry.statics[pos]
         return call
 
     def _staging(self, pos: int, slot: _TensorSlot, shape: tuple[int, ...], strides: tuple[int, ...],
-                 at_b: dict[Any, int]) -> torch.Tensor | None:
+                 at_b: dict[Any, int]) -> torch.Tensor:
         """A static input buffer at the bucket: a view of one allocation per input sized for the largest bucket."""
-        if any(s == 0 and n > 1 for n, s in zip(shape, strides)):
-            return None
         key = (pos, self.env.ctx.key[1:])
         need = span(shape, strides)
         flat = self._arenas.get(key)
@@ -339,7 +340,9 @@ class Piece:
     def _stage(self, entry: _Entry, pos: int, a: torch.Tensor) -> None:
         """Copy ``a`` into the slot's static input: whole when it has the bucket's shape, else its real
         rows, the padding rows filled with ``pad_value``."""
-        st = entry.statics[pos]
+        st, slot = entry.statics[pos], self.slots[pos]
+        if slot.broadcast:  # an expanded input: its one row along those dims is all there is to copy
+            st, a = _one_row(st, slot.broadcast), _one_row(a, slot.broadcast)
         if a.shape == st.shape:
             st.copy_(a)
             return
@@ -349,12 +352,12 @@ class Piece:
             per_slot = entry.views[ctx.n] = [None] * len(self.slots)
         views = per_slot[pos]
         if views is None:
-            dims = self.slots[pos].pad_dims
+            dims = tuple(d for d in slot.pad_dims if d not in slot.broadcast)
             pads = [st.narrow(d, ctx.n, ctx.b - ctx.n) for d in dims if ctx.b > ctx.n]
             views = per_slot[pos] = (narrow(st, dims, ctx.n), pads)
         region, pads = views
         if a.shape != region.shape:
-            raise RuntimeError(f"gfxgraph piecewise: {self.name} input {self.slots[pos].index} has shape "
+            raise RuntimeError(f"gfxgraph piecewise: {self.name} input {slot.index} has shape "
                                f"{tuple(a.shape)}; expected {tuple(region.shape)} or {tuple(st.shape)}")
         region.copy_(a)
         if self.env.pad_value is not None:
@@ -364,7 +367,13 @@ class Piece:
     # -------------------------------------------------------- introspection
     @property
     def captured_buckets(self) -> list[int]:
+        """Token buckets with a captured graph."""
         return sorted({k[0] for k, e in self.entries.items() if e.graph is not None})
+
+    @property
+    def buckets_used(self) -> list[int]:
+        """Token buckets this piece ran at (graphs, failed captures, and without a GPU the padded runs)."""
+        return sorted({k[0] for k in self.entries})
 
     def graph_count(self) -> int:
         return sum(1 for e in self.entries.values() if e.graph is not None)

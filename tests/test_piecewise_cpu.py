@@ -1,0 +1,457 @@
+"""Piecewise graphs in the ``gfxgraph`` compile backend, without a GPU.
+
+``simulate_padding=True`` runs the pieces through the same pipeline a GPU would
+(static buffers, padding to the token bucket, narrowing before every splitting
+op, padding again after it), the compiled piece called where a replay would be.
+Most tests use ``compiler="aot_eager"`` (no C++ build).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import weakref
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+from torch import nn
+
+import gfxgraph
+from hipgraph_bridge import compile as cb
+from hipgraph_bridge.compile import BackendOptions, PiecewiseSubgraph, SubgraphState, backend_stats, register
+from hipgraph_bridge.compile.hazards import padding_hazard
+from hipgraph_bridge.compile.splitting import DEFAULT_SPLITTING_OPS, SplittingOps, parse_splitting_ops
+from hipgraph_bridge.errors import ConfigError
+
+register()  # also from a checkout that is not installed (no entry points)
+PIECEWISE = {"piecewise": True, "compiler": "aot_eager", "simulate_padding": True}
+SEEN: list[tuple[int, ...]] = []  # the shapes the custom attention op was called with
+
+
+@torch.library.custom_op("gfxtest::attn", mutates_args=())
+def _attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    SEEN.append(tuple(q.shape))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@_attn.register_fake
+def _(q, k, v):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("gfxtest::rowmix", mutates_args=())
+def _rowmix(x: torch.Tensor) -> torch.Tensor:
+    return x + x.sum(dim=1, keepdim=True)  # mixes the rows: invisible to the static guard
+
+
+@_rowmix.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d) + 0.1 * torch.randn(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, attn: str, extra: str) -> None:
+        super().__init__()
+        self.heads, self.attn, self.extra = heads, attn, extra
+        self.norm1, self.norm2 = RMSNorm(d), RMSNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.o = nn.Linear(d, d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape  # (B, S, D)
+        q, k, v = self.qkv(self.norm1(x)).split(d, dim=-1)
+        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))  # (B, H, S, hd)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        a = torch.ops.gfxtest.attn(q, k, v) if self.attn == "custom" else F.scaled_dot_product_attention(
+            q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, s, d))
+        h = self.down(F.silu(self.up(self.norm2(x))))
+        if self.extra == "seq_mean":
+            h = h - h.mean(dim=1, keepdim=True)  # a reduction over the sequence: padding would change it
+        elif self.extra == "rowmix":
+            h = torch.ops.gfxtest.rowmix(h)
+        return x + h
+
+
+class TinyLM(nn.Module):
+    """Embedding, ``layers`` attention blocks (rotary from the given positions), a head."""
+
+    def __init__(self, *, d: int = 32, heads: int = 4, layers: int = 2, vocab: int = 64, attn: str = "sdpa",
+                 extra: str = "") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d, heads, attn, extra if i == layers - 1 else "") for i in range(layers))
+        self.norm = RMSNorm(d)
+        self.head = nn.Linear(d, vocab)
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, d // heads, 2).float() / (d // heads))))
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)  # (B, S, D)
+        freqs = positions[..., None].float() * self.inv_freq  # (B, S, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, S, hd)
+        cos, sin = emb.cos(), emb.sin()
+        for blk in self.blocks:
+            x = blk(x, cos, sin)
+        return self.head(self.norm(x))
+
+
+_before: weakref.WeakSet = weakref.WeakSet()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    gc.collect()
+    _before.clear()
+    _before.update(cb.compiled_subgraphs())
+    SEEN.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def frames() -> list[PiecewiseSubgraph]:
+    return [s for s in cb.compiled_subgraphs() if s not in _before and isinstance(s, PiecewiseSubgraph)]
+
+
+def inputs(n: int, *, batch: int = 1, vocab: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, vocab, (batch, n), generator=torch.Generator().manual_seed(n))
+    return ids, torch.arange(n).expand(batch, n)
+
+
+def run_lengths(model: nn.Module, lengths, *, options=None, batch: int = 1, **kw) -> object:
+    c = torch.compile(model, backend="gfxgraph", options={**PIECEWISE, **(options or {})}, **kw)
+    with torch.no_grad():
+        for n in lengths:
+            ids, pos = inputs(n, batch=batch)
+            torch.testing.assert_close(c(ids, pos), model(ids, pos), msg=f"{n} tokens")
+    return c
+
+
+# ------------------------------------------------------------------ results
+def test_varying_sequence_lengths_equal_eager_through_the_padded_pieces():
+    m = TinyLM().eval()
+    run_lengths(m, [5, 7, 9, 3, 16, 17, 33, 12, 2, 64, 40])
+    (frame,) = frames()
+    assert frame.state is SubgraphState.GRAPHED and len(frame.pieces) == 3 and len(frame.splitters) == 2
+    assert [p.status() for p in frame.pieces] == ["graphed"] * 3
+    used = {b for p in frame.pieces for b in p.buckets_used}
+    assert {8, 16, 24, 40, 64} <= used  # padded to the bucket: 5 and 7 ran at 8, 17 at 24, ...
+    s = backend_stats()["piecewise"]
+    assert s["calls"]["piecewise"] >= 9 and s["piece_eager_runs"] == 0, s
+    assert s["staging_bytes"] > 0 and s["pieces"] == 3 and s["splitting_ops"] == 2
+
+
+def test_the_splitting_op_sees_exactly_the_real_shapes():
+    m = TinyLM(attn="custom").eval()
+    c = torch.compile(m, backend="gfxgraph", options={**PIECEWISE, "splitting_ops": ["gfxtest::attn"]})
+    with torch.no_grad():
+        for n in (5, 7, 11, 30):
+            ids, pos = inputs(n)
+            want = m(ids, pos)
+            SEEN.clear()
+            torch.testing.assert_close(c(ids, pos), want)
+            assert SEEN == [(1, 4, n, 8)] * 2, SEEN  # narrowed from the bucket back to n rows, per layer
+    (frame,) = frames()
+    assert len(frame.splitters) == 2 and max(p.buckets_used[-1] for p in frame.pieces) == 32
+
+
+def test_inductor_pieces_equal_eager():
+    m = TinyLM().eval()
+    run_lengths(m, [5, 7, 13, 2, 31], options={"compiler": "inductor"})
+    (frame,) = frames()
+    assert frame.compiler in ("inductor", "eager")  # eager: no C++ compiler on this machine
+    assert all(p.status() == "graphed" for p in frame.pieces)
+
+
+def test_identical_layers_are_compiled_once():
+    m = TinyLM(layers=4).eval()
+    before = backend_stats()["compiles"]
+    run_lengths(m, [5, 7])
+    (frame,) = frames()
+    assert len(frame.pieces) == 5
+    # the first piece (embedding), the three identical middle ones, the last (head): three compilations
+    assert backend_stats()["compiles"] - before == 3
+
+
+def test_batch_and_tokens_both_dynamic_pads_the_tokens():
+    m = TinyLM().eval()
+    c = torch.compile(m, backend="gfxgraph", options=PIECEWISE)
+    with torch.no_grad():
+        for b, n in [(2, 5), (3, 7), (2, 9), (4, 6), (3, 12)]:
+            ids, pos = inputs(n, batch=b)
+            torch.testing.assert_close(c(ids, pos), m(ids, pos), msg=f"batch {b}, {n} tokens")
+    (frame,) = [f for f in frames() if len(frame_symbols(f)) > 1]
+    assert str(frame.token.symbol) == str(frame_symbols(frame)[-1])  # the innermost: the sequence
+    assert len(frame._variants) >= 3  # one graph set per batch size: it is not padded
+    assert all(p.status() == "graphed" for p in frame.pieces)  # the expanded positions are staged once per row
+    assert backend_stats()["piecewise"]["piece_eager_runs"] == 0
+
+
+def frame_symbols(frame: PiecewiseSubgraph) -> list:
+    return sorted(frame._carriers, key=lambda s: frame._carriers[s][1] or 0)
+
+
+def test_token_dim_option_and_dim_zero_tokens():
+    class Flat(nn.Module):  # vLLM-style (tokens, hidden)
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.qkv, self.o = nn.Linear(16, 48), nn.Linear(16, 16)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(1, x.shape[0], 3, 2, 8).permute(2, 0, 3, 1, 4)
+            return self.o(F.scaled_dot_product_attention(q, k, v).permute(0, 2, 1, 3).reshape(x.shape[0], 16))
+
+    m = Flat().eval()
+    c = torch.compile(m, backend="gfxgraph", options={**PIECEWISE, "token_dim": 0})
+    with torch.no_grad():
+        for n in (5, 7, 19):
+            x = torch.randn(n, 16)
+            torch.testing.assert_close(c(x), m(x))
+    (frame,) = frames()
+    assert frame.token.carrier[1] == 0 and all(p.status() == "graphed" for p in frame.pieces)
+
+
+# ------------------------------------------------------------------ paths per call
+def test_decode_frames_take_the_full_graph():
+    m = TinyLM().eval()
+    c = run_lengths(m, [5, 7, 1, 1, 9, 1])
+    full = [s for s in cb.compiled_subgraphs() if s not in _before and getattr(s, "role", "") == "full"]
+    assert any(s.plan.static and s.buckets == [1] for s in full), full  # the frame dynamo made for 1 token
+    assert backend_stats()["piecewise"]["calls"]["full"] >= 3
+    del c
+
+
+def test_one_token_call_in_a_piecewise_frame_takes_the_full_graph():
+    import torch.fx.experimental._config as fx_config
+
+    m = TinyLM().eval()
+    with fx_config.patch(backed_size_oblivious=True):  # size 1 then stays in the symbolic frame
+        run_lengths(m, [5, 7, 1, 9, 1])
+    (frame,) = frames()
+    assert frame.calls["full"] == 2 and frame._full is not None and frame._full.role == "full"
+    assert frame.calls["piecewise"] >= 2
+
+
+def test_oversize_runs_the_pieces_unpadded():
+    m = TinyLM().eval()
+    run_lengths(m, [5, 7, 12, 9], options={"token_buckets": [4, 8]})
+    (frame,) = frames()
+    assert frame.buckets == [4, 8] and frame.calls["eager"] == 2
+    assert gfxgraph.stats()["fallback_reasons"].get("oversize", 0) == 2
+
+
+def test_without_simulate_padding_a_cpu_frame_runs_unpadded():
+    m = TinyLM().eval()
+    run_lengths(m, [5, 7, 9], options={"simulate_padding": False})
+    (frame,) = frames()
+    assert frame.calls["eager"] == 2 and not any(p.entries for p in frame.pieces)
+    assert gfxgraph.stats()["fallback_reasons"].get("no_gpu", 0) >= 2
+
+
+def test_training_is_not_split():
+    m = TinyLM()
+    c = torch.compile(m, backend="gfxgraph", options=PIECEWISE)
+    for n in (5, 7):
+        ids, pos = inputs(n)
+        c(ids, pos).square().mean().backward()
+    assert not frames()
+    assert any(s.reason == "training" for s in cb.compiled_subgraphs() if s not in _before)
+
+
+def test_graphs_off():
+    run_lengths(TinyLM().eval(), [5, 7, 9], options={"graphs": False})
+    (frame,) = frames()
+    assert frame.reason == "graphs_off" and frame.calls["eager"] == 2
+
+
+# ------------------------------------------------------------------ padding guards
+def test_a_reduction_over_the_sequence_runs_that_piece_unpadded():
+    m = TinyLM(extra="seq_mean").eval()
+    run_lengths(m, [5, 7, 9, 13])
+    (frame,) = frames()
+    status = [p.status() for p in frame.pieces]
+    assert status[:2] == ["graphed", "graphed"] and status[2] == "unpadded: padding_unsafe", status
+    assert "mean" in frame.pieces[2].block[1]
+    assert gfxgraph.stats()["fallback_reasons"].get("padding_unsafe", 0) >= 2
+
+
+def test_rows_mixed_where_the_graph_cannot_show_it_are_caught_by_the_first_padded_call():
+    m = TinyLM(extra="rowmix").eval()
+    run_lengths(m, [5, 7, 9, 13, 6])
+    (frame,) = frames()
+    assert frame.pieces[2].status() == "unpadded: padding_changes_results"
+    assert [p.status() for p in frame.pieces[:2]] == ["graphed", "graphed"]
+    assert gfxgraph.stats()["fallback_reasons"].get("padding_changes_results", 0) >= 1
+
+
+def _gm(fn, *shapes):
+    """``fn`` traced by dynamo with every size dynamic; returns (graph module, the first input's dim-1 symbol)."""
+    got = {}
+
+    def backend(gm, ex):
+        got["gm"] = gm
+        return gm.forward
+
+    torch._dynamo.reset()
+    args = [torch.randn(*s) for s in shapes]
+    for a in args:
+        torch._dynamo.mark_dynamic(a, 1)
+    torch.compile(fn, backend=backend)(*args)
+    gm = got["gm"]
+    ph = next(n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta["example_value"], torch.Tensor))
+    return gm, ph.meta["example_value"].shape[1].node.expr
+
+
+@pytest.mark.parametrize("fn,hazard", [
+    (lambda x: x.sum(dim=1), True),  # over the sequence
+    (lambda x: x.sum(-1), False),  # over the hidden dim
+    (lambda x: x.mean(), True),  # over everything
+    (lambda x: torch.softmax(x, dim=1), True),
+    (lambda x: torch.softmax(x, dim=-1), False),
+    (lambda x: x.cumsum(1), True),
+    (lambda x: x[:, -1], True),
+    (lambda x: x[:, 1:], True),
+    (lambda x: x[..., :4] * 2, False),
+    (lambda x: torch.cat([x, x], dim=1), True),
+    (lambda x: torch.cat([x, x], dim=-1), False),
+    (lambda x: x.transpose(1, 2) @ x, True),  # contracts over the sequence
+    (lambda x: x @ x.transpose(1, 2), False),  # (S, S) scores: each row its own
+    (lambda x: F.layer_norm(x, (8,)), False),
+    (lambda x: x.flip(1), True),
+    (lambda x: x.view(x.shape[0], x.shape[1] // 2, 16), True),  # pairs of rows
+    (lambda x: x.reshape(x.shape[0], -1), False),  # whole rows merged
+])
+def test_padding_hazard_finds_ops_along_the_token_dim(fn, hazard):
+    gm, s = _gm(fn, (2, 6, 8))
+    assert (padding_hazard(gm, s) is not None) == hazard, padding_hazard(gm, s)
+
+
+# ------------------------------------------------------------------ state, validation
+class CachedAttention(nn.Module):
+    """Writes k and v into a static cache at the given positions, attends over the cache prefix."""
+
+    def __init__(self, d: int = 16, max_len: int = 64) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.register_buffer("k_cache", torch.zeros(1, 2, max_len, d // 2))
+        self.register_buffer("v_cache", torch.zeros(1, 2, max_len, d // 2))
+        torch._dynamo.mark_static_address(self.k_cache)
+        torch._dynamo.mark_static_address(self.v_cache)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = (t.view(b, s, 2, d // 2).transpose(1, 2) for t in self.qkv(x).split(d, -1))
+        self.k_cache.index_copy_(2, pos, k)
+        self.v_cache.index_copy_(2, pos, v)
+        a = F.scaled_dot_product_attention(q, self.k_cache[:, :, :s], self.v_cache[:, :, :s], is_causal=True)
+        return x + self.o(a.transpose(1, 2).reshape(b, s, d))
+
+
+def test_a_piece_that_writes_a_static_cache_is_never_padded():
+    m, ref = CachedAttention().eval(), CachedAttention().eval()
+    c = torch.compile(m, backend="gfxgraph", options={**PIECEWISE, "token_buckets": [4, 8, 16, 64]})
+    with torch.no_grad():
+        for n in (5, 8, 7, 16, 3, 4):
+            x = torch.randn(1, n, 16)
+            pos = torch.arange(n)
+            torch.testing.assert_close(c(x, pos), ref(x, pos), msg=f"{n} tokens")
+            torch.testing.assert_close(m.k_cache, ref.k_cache)
+            torch.testing.assert_close(m.v_cache, ref.v_cache)
+    (frame,) = frames()
+    writer = frame.pieces[0]
+    assert writer.stateful and writer.status() == "unpadded: padded_state_write"
+    assert {k[0] for k in writer.entries} <= {4, 8, 16}  # graphed only where the count is a bucket
+    assert gfxgraph.stats()["fallback_reasons"].get("padded_state_write", 0) >= 2
+
+
+def test_validate_mode_checks_every_piece_call():
+    gfxgraph.enable(validate=True)
+    try:
+        run_lengths(TinyLM().eval(), [5, 7, 9, 12])
+    finally:
+        gfxgraph.disable()
+    snap = gfxgraph.stats()
+    assert snap["validation_checks"] >= 9 and snap["validation_failures"] == 0, snap
+
+
+def test_outputs_are_copies():
+    m = TinyLM().eval()
+    c = torch.compile(m, backend="gfxgraph", options=PIECEWISE, dynamic=True)
+    with torch.no_grad():
+        a = c(*inputs(5))
+        keep = a.clone()
+        c(*inputs(7))
+        torch.testing.assert_close(a, keep)
+
+
+def test_reset_releases_and_recaptures():
+    m = TinyLM().eval()
+    c = run_lengths(m, [5, 7, 9])
+    cb.reset_backend()
+    (frame,) = frames()
+    assert not any(p.entries for p in frame.pieces)
+    with torch.no_grad():
+        ids, pos = inputs(10)
+        torch.testing.assert_close(c(ids, pos), m(ids, pos))
+
+
+# ------------------------------------------------------------------ options
+def test_splitting_op_names_in_every_form():
+    got = parse_splitting_ops(["aten::_scaled_dot_product_flash_attention", "torch.ops.gfxtest.attn",
+                               "gfxtest::attn.default", torch.ops.gfxtest.rowmix, torch.ops.aten.add.Tensor,
+                               "torch.nn.functional.scaled_dot_product_attention", " aten::mul "])
+    assert got == ("aten::_scaled_dot_product_flash_attention", "gfxtest::attn", "gfxtest::attn.default",
+                   "gfxtest::rowmix", "aten::add.Tensor", "torch.nn.functional.scaled_dot_product_attention",
+                   "aten::mul")
+    assert "torch.nn.functional.scaled_dot_product_attention" in DEFAULT_SPLITTING_OPS
+    assert any("flash" in n for n in DEFAULT_SPLITTING_OPS) and any("efficient" in n for n in DEFAULT_SPLITTING_OPS)
+    ops = SplittingOps(["gfxtest::attn"])
+    assert ops.names[:len(DEFAULT_SPLITTING_OPS)] == DEFAULT_SPLITTING_OPS  # the user's ops come on top
+
+
+@pytest.mark.parametrize("options,msg", [
+    ({"piecewise": "yes"}, r"options\['piecewise'\]: expected a bool"),
+    ({"piecewise": True, "splitting_ops": "aten::foo"}, r"options\['splitting_ops'\]: expected a list of op names"),
+    ({"piecewise": True, "splitting_ops": ["aten::no_such_op"]}, "names no registered torch op"),
+    ({"piecewise": True, "splitting_ops": ["attention"]}, "is not an op name; expected torch op names such as"),
+    ({"piecewise": True, "splitting_ops": [3]}, "cannot be named"),
+    ({"splitting_ops": ["aten::mm"]}, r"expected together with options\['piecewise'\] = True"),
+    ({"piecewise": True, "token_dim": -1}, r"options\['token_dim'\]: expected an int >= 0"),
+    ({"piecewise": True, "token_buckets": [0, 8]}, r"options\['token_buckets'\]: buckets: expected positive ints"),
+    ({"piecewise": True, "max_tokens": 0}, r"options\['max_tokens'\]: expected an int >= 1"),
+    ({"piecewise": True, "token_buckets": [8], "max_tokens": 8}, "expected one of them"),
+])
+def test_bad_piecewise_options_name_what_was_expected(options, msg):
+    with pytest.raises(ValueError, match=msg) as info:
+        BackendOptions.from_mapping(options)
+    assert isinstance(info.value, ConfigError)
+
+
+def test_piecewise_options_are_known_and_stored():
+    o = BackendOptions.from_mapping({"piecewise": True, "splitting_ops": ["torch.ops.gfxtest.attn"],
+                                     "token_buckets": [64, 8, 8], "token_dim": 1})
+    assert o.piecewise and o.splitting_ops == ("gfxtest::attn",) and o.token_buckets == (8, 64)
+    assert o.token_dim == 1 and {"piecewise", "splitting_ops", "token_buckets", "max_tokens"} <= set(o.known())
+    assert math.isclose(BackendOptions.from_mapping({}).max_tokens, 512)
