@@ -25,96 +25,10 @@ from hipgraph_bridge.compile.hazards import padding_hazard
 from hipgraph_bridge.compile.splitting import DEFAULT_SPLITTING_OPS, SplittingOps, parse_splitting_ops
 from hipgraph_bridge.errors import ConfigError
 
+from _piecewise_models import SEEN, CachedAttention, TinyLM
+
 register()  # also from a checkout that is not installed (no entry points)
 PIECEWISE = {"piecewise": True, "compiler": "aot_eager", "simulate_padding": True}
-SEEN: list[tuple[int, ...]] = []  # the shapes the custom attention op was called with
-
-
-@torch.library.custom_op("gfxtest::attn", mutates_args=())
-def _attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    SEEN.append(tuple(q.shape))
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-@_attn.register_fake
-def _(q, k, v):
-    return torch.empty_like(q)
-
-
-@torch.library.custom_op("gfxtest::rowmix", mutates_args=())
-def _rowmix(x: torch.Tensor) -> torch.Tensor:
-    return x + x.sum(dim=1, keepdim=True)  # mixes the rows: invisible to the static guard
-
-
-@_rowmix.register_fake
-def _(x):
-    return torch.empty_like(x)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d) + 0.1 * torch.randn(d))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int, attn: str, extra: str) -> None:
-        super().__init__()
-        self.heads, self.attn, self.extra = heads, attn, extra
-        self.norm1, self.norm2 = RMSNorm(d), RMSNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.o = nn.Linear(d, d)
-        self.up = nn.Linear(d, 4 * d)
-        self.down = nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape  # (B, S, D)
-        q, k, v = self.qkv(self.norm1(x)).split(d, dim=-1)
-        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))  # (B, H, S, hd)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        a = torch.ops.gfxtest.attn(q, k, v) if self.attn == "custom" else F.scaled_dot_product_attention(
-            q, k, v, is_causal=True)
-        x = x + self.o(a.transpose(1, 2).reshape(b, s, d))
-        h = self.down(F.silu(self.up(self.norm2(x))))
-        if self.extra == "seq_mean":
-            h = h - h.mean(dim=1, keepdim=True)  # a reduction over the sequence: padding would change it
-        elif self.extra == "rowmix":
-            h = torch.ops.gfxtest.rowmix(h)
-        return x + h
-
-
-class TinyLM(nn.Module):
-    """Embedding, ``layers`` attention blocks (rotary from the given positions), a head."""
-
-    def __init__(self, *, d: int = 32, heads: int = 4, layers: int = 2, vocab: int = 64, attn: str = "sdpa",
-                 extra: str = "") -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(Block(d, heads, attn, extra if i == layers - 1 else "") for i in range(layers))
-        self.norm = RMSNorm(d)
-        self.head = nn.Linear(d, vocab)
-        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, d // heads, 2).float() / (d // heads))))
-
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)  # (B, S, D)
-        freqs = positions[..., None].float() * self.inv_freq  # (B, S, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, S, hd)
-        cos, sin = emb.cos(), emb.sin()
-        for blk in self.blocks:
-            x = blk(x, cos, sin)
-        return self.head(self.norm(x))
-
-
 _before: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -236,10 +150,16 @@ def test_token_dim_option_and_dim_zero_tokens():
 def test_decode_frames_take_the_full_graph():
     m = TinyLM().eval()
     c = run_lengths(m, [5, 7, 1, 1, 9, 1])
+    with torch.no_grad():
+        for b in (2, 3, 5, 3):  # decode steps of several rows: (batch, 1), the batch dynamic
+            ids, pos = inputs(1, batch=b)
+            pos = pos.contiguous()  # the whole-graph path graphs contiguous batched inputs only
+            torch.testing.assert_close(c(ids, pos), m(ids, pos))
     full = [s for s in cb.compiled_subgraphs() if s not in _before and getattr(s, "role", "") == "full"]
     assert any(s.plan.static and s.buckets == [1] for s in full), full  # the frame dynamo made for 1 token
-    assert backend_stats()["piecewise"]["calls"]["full"] >= 3
-    del c
+    assert any(s.plan.batch_symbol is not None and s.state is SubgraphState.GRAPHED for s in full), full
+    assert len(frames()) == 1  # only the prefill frame is piecewise
+    assert backend_stats()["piecewise"]["calls"]["full"] >= 7
 
 
 def test_one_token_call_in_a_piecewise_frame_takes_the_full_graph():
@@ -348,27 +268,6 @@ def test_padding_hazard_finds_ops_along_the_token_dim(fn, hazard):
 
 
 # ------------------------------------------------------------------ state, validation
-class CachedAttention(nn.Module):
-    """Writes k and v into a static cache at the given positions, attends over the cache prefix."""
-
-    def __init__(self, d: int = 16, max_len: int = 64) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.register_buffer("k_cache", torch.zeros(1, 2, max_len, d // 2))
-        self.register_buffer("v_cache", torch.zeros(1, 2, max_len, d // 2))
-        torch._dynamo.mark_static_address(self.k_cache)
-        torch._dynamo.mark_static_address(self.v_cache)
-
-    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = (t.view(b, s, 2, d // 2).transpose(1, 2) for t in self.qkv(x).split(d, -1))
-        self.k_cache.index_copy_(2, pos, k)
-        self.v_cache.index_copy_(2, pos, v)
-        a = F.scaled_dot_product_attention(q, self.k_cache[:, :, :s], self.v_cache[:, :, :s], is_causal=True)
-        return x + self.o(a.transpose(1, 2).reshape(b, s, d))
-
-
 def test_a_piece_that_writes_a_static_cache_is_never_padded():
     m, ref = CachedAttention().eval(), CachedAttention().eval()
     c = torch.compile(m, backend="gfxgraph", options={**PIECEWISE, "token_buckets": [4, 8, 16, 64]})

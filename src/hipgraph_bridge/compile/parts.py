@@ -37,9 +37,12 @@ class CallContext:
     n: int = 0  # the real token count
     b: int = 0  # its bucket (== n when nothing is padded)
     padded: bool = False
-    key: tuple[Any, ...] = ()  # (b, values of the frame's other symbols, constants)
+    key: tuple[Any, ...] = ()  # (b, [n == b,] *exact): what selects the pieces' graphs
+    exact: tuple[Any, ...] = ()  # the values of the frame's other symbols, and its constants
     values: dict[Any, int] = field(default_factory=dict)  # every symbol's value in this call (token: n)
     ran: list[Any] = field(default_factory=list)  # graph entries whose outputs this call produced
+    complete: bool = False  # every piece captured this key in one earlier call: none may capture now
+    stale: bool = False  # set by a piece that could not capture: the key is captured again next time
 
 
 @dataclass

@@ -248,8 +248,18 @@ class Piece:
 
     # -------------------------------------------------------------- capture
     def _first(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        """The key's first call: build its static inputs, capture (no GPU: run padded), answer the call."""
+        """The key's first call: build its static inputs, capture (no GPU: run padded), answer the call.
+
+        A key's pieces capture in one call, in order, each while the outputs
+        of those before it are alive; a piece that meets a key the others
+        captured earlier runs unpadded instead and has the key captured anew.
+        """
         ctx, env = self.env.ctx, self.env
+        if ctx.complete and env.capturer is not None:
+            ctx.stale = True
+            return self._fallback(("recapture", f"{self.name} meets a key its frame captured without it; the "
+                                   "key's graphs are captured again, together, on its next call", logging.DEBUG),
+                                  args)
         entry = _Entry([None] * len(self.slots), [0] * len(self.slots))
         call = self._bucket_args(entry, args, capture=True)
         if env.capturer is None:  # simulate_padding without a GPU
@@ -328,7 +338,7 @@ class Piece:
     def _staging(self, pos: int, slot: _TensorSlot, shape: tuple[int, ...], strides: tuple[int, ...],
                  at_b: dict[Any, int]) -> torch.Tensor:
         """A static input buffer at the bucket: a view of one allocation per input sized for the largest bucket."""
-        key = (pos, self.env.ctx.key[1:])
+        key = (pos, self.env.ctx.exact)
         need = span(shape, strides)
         flat = self._arenas.get(key)
         if flat is None or flat.numel() < need:
@@ -388,6 +398,12 @@ class Piece:
         if self.never is not None:
             return f"ungraphed: {self.never[0]}"
         return "graphed" if self.block is None else f"unpadded: {self.block[0]}"
+
+    def drop(self, key: tuple[Any, ...]) -> None:
+        """Release the graph of one key (the key is about to be captured again)."""
+        entry = self.entries.pop(key, None)
+        if entry is not None and entry.graph is not None:
+            entry.graph.reset()
 
     def close(self) -> None:
         """Release every graph and static buffer (they are captured again on use)."""

@@ -73,13 +73,15 @@ def _fakes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[Any]:
     return [n.meta.get("example_value", ex) for n, ex in zip(placeholders, example_inputs)]
 
 
-def find_token_symbol(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
-                      token_dim: int | None) -> TokenSymbol | None:
+def find_token_symbol(gm: fx.GraphModule, example_inputs: Sequence[Any], *, token_dim: int | None,
+                      batch_dim: int = 0) -> TokenSymbol | None:
     """The token count of a dynamo graph: a plain symbolic size of its first tensor input that has one.
 
     With ``token_dim``, that dim of the first non-parameter tensor input (None
-    when it is not dynamic); else the innermost dynamic dim of the first input
-    that has one, so ``(batch, seq)`` pads ``seq`` and ``(tokens, hidden)`` pads ``tokens``.
+    when it is not dynamic). Else the innermost dynamic dim of the first input
+    that has one, ``batch_dim`` excepted in inputs of two dims or more: so
+    ``(batch, seq)`` pads ``seq``, ``(tokens,)`` pads ``tokens``, and a decode
+    step's ``(batch, 1)`` has no token count (it is served as one full graph).
     """
     for i, (f, ex) in enumerate(zip(_fakes(gm, example_inputs), example_inputs)):
         if not isinstance(f, torch.Tensor) or is_ref(ex):
@@ -90,8 +92,10 @@ def find_token_symbol(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
             e = sym_expr(f.shape[token_dim])
             return TokenSymbol(e, (i, token_dim), f.shape[token_dim]) if e is not None and e.is_Symbol else None
         dims = [d for d, s in enumerate(f.shape) if (e := sym_expr(s)) is not None and e.is_Symbol]
-        if dims:
-            return TokenSymbol(sym_expr(f.shape[dims[-1]]), (i, dims[-1]), f.shape[dims[-1]])
+        if not dims:
+            continue
+        dims = [d for d in dims if f.dim() == 1 or d != batch_dim]
+        return TokenSymbol(sym_expr(f.shape[dims[-1]]), (i, dims[-1]), f.shape[dims[-1]]) if dims else None
     return None
 
 
@@ -101,7 +105,8 @@ def piecewise_subgraph(gm: fx.GraphModule, example_inputs: list[Any], opts: Back
     ops = SplittingOps(opts.splitting_ops)
     splits = any(ops.matches(n) for n in gm.graph.nodes)
     grad = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
-    token = None if grad else find_token_symbol(gm, example_inputs, token_dim=opts.token_dim)
+    token = None if grad else find_token_symbol(gm, example_inputs, token_dim=opts.token_dim,
+                                                batch_dim=opts.batch_dim)
     if token is not None:
         try:
             return PiecewiseSubgraph(gm, example_inputs, opts, token, ops)
@@ -182,6 +187,10 @@ class PiecewiseSubgraph:
         self._order = CallOrder()
         self._full: CompiledSubgraph | None = None
         self._variants: set[tuple[Any, ...]] = set()
+        self._complete: set[tuple[Any, ...]] = set()  # keys every piece captured, together
+        # a piece that is never padded is graphed at token counts that are buckets: those calls get keys
+        # of their own, so that the key's pieces all capture in one call
+        self._exact_keys = any(p.block is not None for p in self.pieces)
         self._largest_first = not any(p.stateful for p in self.pieces)
         self.calls = {"piecewise": 0, "full": 0, "eager": 0}
         self.largest_first_seconds = 0.0
@@ -343,14 +352,26 @@ class PiecewiseSubgraph:
         return self.split(*args)
 
     def _graphed(self, args: Sequence[Any], n: int, b: int, values: dict[Any, int], exact: tuple[Any, ...]) -> Any:
+        """Run the split module with the pieces on the graphs of the call's key (captured on its first call)."""
         ctx = self.ctx
-        ctx.mode, ctx.n, ctx.b, ctx.padded, ctx.key, ctx.values = Mode.GRAPH, n, b, n != b, (b, *exact), values
+        key = (b, n == b, *exact) if self._exact_keys else (b, *exact)
+        if key not in self._complete:  # a capture call: no piece may replay a graph of an earlier one
+            for p in self.pieces:
+                p.drop(key)
+        ctx.mode, ctx.n, ctx.b, ctx.padded, ctx.key, ctx.exact, ctx.values = (Mode.GRAPH, n, b, n != b, key, exact,
+                                                                             values)
+        ctx.complete, ctx.stale = key in self._complete, False
         ctx.ran.clear()
         try:
-            return self.split(*args)
+            out = self.split(*args)
         finally:
             ctx.mode, ctx.padded = Mode.DIRECT, False
             ctx.ran.clear()
+        if ctx.stale:
+            self._complete.discard(key)
+        else:
+            self._complete.add(key)
+        return out
 
     def _finish(self, out: Any, n: int, b: int) -> Any:
         """Outputs narrowed to the real token count and, from graphed pieces, copied (``copy_outputs``)."""
@@ -449,6 +470,7 @@ class PiecewiseSubgraph:
                 self._full.close()
             if self.env.capturer is not None:
                 self.env.capturer.forget_growth()
+            self._complete.clear()
             self._largest_first = not any(p.stateful for p in self.pieces)
 
     def __repr__(self) -> str:
