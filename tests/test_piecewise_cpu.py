@@ -354,3 +354,95 @@ def test_piecewise_options_are_known_and_stored():
     assert o.piecewise and o.splitting_ops == ("gfxtest::attn",) and o.token_buckets == (8, 64)
     assert o.token_dim == 1 and {"piecewise", "splitting_ops", "token_buckets", "max_tokens"} <= set(o.known())
     assert math.isclose(BackendOptions.from_mapping({}).max_tokens, 512)
+
+
+# ------------------------------------------------------------------ the GPU path, graphs simulated
+class _FakeGraph:
+    """A "graph" that replays by running the captured call again into the captured outputs: the
+    inputs it reads are the ones captured (static buffers, other pieces' outputs), as a replay's."""
+
+    def __init__(self, run, outputs) -> None:
+        self.run, self.outputs = run, outputs
+
+    def replay(self) -> None:
+        for out, new in zip(self.outputs, self.run()):
+            if isinstance(out, torch.Tensor):
+                out.copy_(new)
+
+    def reset(self) -> None:
+        self.run = None
+
+
+class _FakeCapturer:
+    seconds, pool_handle = 0.0, "pool"
+
+    def pool_bytes(self) -> int:
+        return 0
+
+    def forget_growth(self) -> None:
+        pass
+
+    def capture(self, run, bucket, *, keep_warm, freeze_gc, warmup_iters=None):
+        from hipgraph_bridge.bucketing.capture import Captured
+
+        c = Captured(stage="warm_up")
+        try:
+            warm = run()
+        except Exception as exc:
+            c.error, c.failed, c.reason = exc, f"bucket {bucket}: {exc}", "capture_failed"
+            return c
+        c.warm = warm if keep_warm else None
+        # a capture runs no kernels: the outputs hold garbage until the first replay
+        c.outputs = tuple(o.clone().fill_(float("nan")) if isinstance(o, torch.Tensor) and o.is_floating_point()
+                          else o for o in run())
+        c.graph = _FakeGraph(run, c.outputs)
+        return c
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    """Piecewise frames take their GPU path (capture, replay, graph outputs read in place) on the CPU."""
+    from hipgraph_bridge.compile import piecewise, pieces
+
+    init = piecewise.PiecewiseSubgraph.__init__
+
+    def patched(self, *a, **k):
+        init(self, *a, **k)
+        self._graphs = True
+        self.env.capturer = _FakeCapturer()
+        self._order.after_previous = lambda: None
+
+    monkeypatch.setattr(piecewise.PiecewiseSubgraph, "__init__", patched)
+    monkeypatch.setattr(pieces, "record_on_current_stream", lambda leaves: None)
+
+
+@pytest.mark.parametrize("extra,status", [("", "graphed"), ("seq_mean", "unpadded: padding_unsafe"),
+                                          ("rowmix", "unpadded: padding_changes_results")])
+def test_the_gpu_path_with_simulated_graphs_equals_eager(fake_graphs, extra, status):
+    m = TinyLM(extra=extra).eval()
+    run_lengths(m, [5, 7, 9, 3, 16, 17, 33, 12, 2, 64, 40, 7, 9, 17, 33, 16], options={"simulate_padding": False})
+    (frame,) = frames()
+    assert [p.status() for p in frame.pieces] == ["graphed", "graphed", status]
+    assert frame.buckets[-1] in frame.captured_buckets and frame.largest_first_seconds > 0
+    report = frame.report()
+    assert report["piece_captures"] > 0 and report["piece_replays"] >= 2 * 5, report  # 7, 9, 17, 33, 16 again
+    assert gfxgraph.stats()["fallback_reasons"].get("recapture", 0) == 0  # each key's pieces captured together
+
+
+def test_the_gpu_path_with_a_static_cache_and_decode(fake_graphs):
+    m, ref = CachedAttention().eval(), CachedAttention().eval()
+    c = torch.compile(m, backend="gfxgraph", options={**PIECEWISE, "simulate_padding": False,
+                                                      "token_buckets": [8, 16, 32]})
+    with torch.no_grad():
+        for prompt in (13, 16, 5, 32, 16, 8):
+            for t in (m.k_cache, m.v_cache, ref.k_cache, ref.v_cache):
+                t.zero_()
+            for step, n in enumerate([prompt, 1, 1]):
+                start = 0 if step == 0 else prompt + step - 1
+                x, pos = torch.randn(1, n, 16), torch.arange(start, start + n)
+                torch.testing.assert_close(c(x, pos), ref(x, pos), msg=f"prompt {prompt}, step {step}")
+                torch.testing.assert_close(m.k_cache, ref.k_cache)
+    (frame,) = frames()
+    writer = frame.pieces[0]
+    assert writer.status() == "unpadded: padded_state_write" and writer.captured_buckets == [8, 16, 32]
+    assert frame.report()["piece_eager_runs"] == 1  # the 5-token prompt: padding would write the cache

@@ -43,6 +43,7 @@ class CallContext:
     ran: list[Any] = field(default_factory=list)  # graph entries whose outputs this call produced
     complete: bool = False  # every piece captured this key in one earlier call: none may capture now
     stale: bool = False  # set by a piece that could not capture: the key is captured again next time
+    blocked: bool = False  # set by a piece whose padded check failed: it is graphed at exact counts only now
 
 
 @dataclass

@@ -234,6 +234,7 @@ class Piece:
                 detail = (f"{self.name}: bucket {ctx.b} for {ctx.n} tokens: {why}; rows depend on each other, so "
                           "this piece runs unpadded from now on")
                 self.block = ("padding_changes_results", detail, logging.WARNING)
+                ctx.blocked = True
                 stats.record_fallback("padding_changes_results", detail)
                 return reference
         if validate and checked_against_eager(mine, reference, owner=self, what="piecewise piece") is reference:

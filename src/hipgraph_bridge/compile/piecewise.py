@@ -360,14 +360,17 @@ class PiecewiseSubgraph:
                 p.drop(key)
         ctx.mode, ctx.n, ctx.b, ctx.padded, ctx.key, ctx.exact, ctx.values = (Mode.GRAPH, n, b, n != b, key, exact,
                                                                              values)
-        ctx.complete, ctx.stale = key in self._complete, False
+        ctx.complete, ctx.stale, ctx.blocked = key in self._complete, False, False
         ctx.ran.clear()
         try:
             out = self.split(*args)
         finally:
             ctx.mode, ctx.padded = Mode.DIRECT, False
             ctx.ran.clear()
-        if ctx.stale:
+        if ctx.blocked and not self._exact_keys:  # a piece now runs unpadded: exact counts get keys of their own
+            self._exact_keys = True
+            self.close()
+        elif ctx.stale:
             self._complete.discard(key)
         else:
             self._complete.add(key)
