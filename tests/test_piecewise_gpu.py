@@ -86,7 +86,9 @@ def test_attention_runs_on_the_real_shapes_between_graphed_pieces():
             want = m(ids, pos)
             SEEN.clear()
             torch.testing.assert_close(c(ids, pos), want, **TOL[torch.float32])
-            assert SEEN == [(1, 4, n, 64)] * 3, SEEN
+            # the call's own three layers on its n rows, after (on the first piecewise call) the capture
+            # of the largest bucket, which runs the model on 512 padded rows
+            assert SEEN[-3:] == [(1, 4, n, 64)] * 3 and set(SEEN) <= {(1, 4, n, 64), (1, 4, 512, 64)}, SEEN
     assert all(p.status() == "graphed" and p.captured_buckets for p in frames()[0].pieces)
 
 
@@ -107,8 +109,8 @@ def test_decode_takes_the_full_graph():
     c = torch.compile(m, backend="gfxgraph", options={"piecewise": True})
     run(c, m, [9, 33, 1, 1, 1, 1, 70, 1], torch.bfloat16)
     full = [s for s in cb.compiled_subgraphs() if s not in _before and getattr(s, "role", "") == "full"
-            and s.buckets == [1]]
-    assert full and full[0].state is SubgraphState.GRAPHED and full[0].captured_buckets == [1], full
+            and s.state is SubgraphState.GRAPHED]  # the frame dynamo compiled for one token
+    assert len(full) == 1 and full[0].plan.static and full[0].captured_buckets == [1], full
     stats = backend_stats()["piecewise"]
     assert stats["calls"]["full"] >= 5 and stats["calls"]["piecewise"] >= 2
     replays = gfxgraph.stats()["replay_count"]

@@ -5,7 +5,8 @@ Workflow of a call in a padded call of its frame (``n`` real tokens, bucket ``b`
 1. Tensor inputs that carry the token count arrive padded (``b`` rows: the
    previous piece's graph outputs, which the graph reads in place) or real
    (``n`` rows: a splitting op's output, a frame input); real ones are copied
-   into the piece's static buffer and padded with ``pad_value``. The token
+   into the piece's static buffer, whose padding rows hold ``pad_value`` or
+   real rows of earlier calls (harmless where rows do not interact). The token
    count passed as an int is the bucket size inside the graph.
 2. The key's graph replays. It was captured on the key's first call, into the
    frame's one memory pool, while the outputs of the pieces before it were
@@ -67,7 +68,7 @@ class _Entry:
     graph: Any = None
     outputs: tuple[Any, ...] = ()  # the graph's outputs (non-owning views)
     out_ptrs: frozenset[int] = frozenset()
-    views: dict[int, list[Any]] = field(default_factory=dict)  # n -> per slot (real region, padding views)
+    views: dict[int, list[Any]] = field(default_factory=dict)  # n -> per slot the real rows' view
     checked: bool = False
     reason: str = ""
     failed: str | None = None
@@ -344,36 +345,33 @@ class Piece:
         flat = self._arenas.get(key)
         if flat is None or flat.numel() < need:
             largest = slot.layout.realize({**at_b, self.env.token: self.env.largest})
-            flat = torch.empty(max(need, span(*largest)), dtype=slot.layout.dtype, device=slot.layout.device)
+            # filled once: afterwards a padding row holds this or a real row of an earlier call, both
+            # harmless to rows that do not interact, and token ids stay valid indices
+            flat = torch.full((max(need, span(*largest)),), self.env.pad_value or 0, dtype=slot.layout.dtype,
+                              device=slot.layout.device)
             self._arenas[key] = flat  # views of an older one keep it alive for the graphs that read it
         return flat.as_strided(shape, strides)
 
     def _stage(self, entry: _Entry, pos: int, a: torch.Tensor) -> None:
         """Copy ``a`` into the slot's static input: whole when it has the bucket's shape, else its real
-        rows, the padding rows filled with ``pad_value``."""
+        rows (the padding rows were filled when the buffer was made; see :meth:`_staging`)."""
         st, slot = entry.statics[pos], self.slots[pos]
         if slot.broadcast:  # an expanded input: its one row along those dims is all there is to copy
             st, a = _one_row(st, slot.broadcast), _one_row(a, slot.broadcast)
         if a.shape == st.shape:
             st.copy_(a)
             return
-        ctx = self.env.ctx
-        per_slot = entry.views.get(ctx.n)
-        if per_slot is None:
-            per_slot = entry.views[ctx.n] = [None] * len(self.slots)
-        views = per_slot[pos]
-        if views is None:
-            dims = tuple(d for d in slot.pad_dims if d not in slot.broadcast)
-            pads = [st.narrow(d, ctx.n, ctx.b - ctx.n) for d in dims if ctx.b > ctx.n]
-            views = per_slot[pos] = (narrow(st, dims, ctx.n), pads)
-        region, pads = views
-        if a.shape != region.shape:
+        n = self.env.ctx.n
+        region = entry.views.get(n)
+        if region is None:
+            region = entry.views[n] = [None] * len(self.slots)
+        view = region[pos]
+        if view is None:
+            view = region[pos] = narrow(st, tuple(d for d in slot.pad_dims if d not in slot.broadcast), n)
+        if a.shape != view.shape:
             raise RuntimeError(f"gfxgraph piecewise: {self.name} input {slot.index} has shape "
-                               f"{tuple(a.shape)}; expected {tuple(region.shape)} or {tuple(st.shape)}")
-        region.copy_(a)
-        if self.env.pad_value is not None:
-            for p in pads:
-                p.fill_(self.env.pad_value)
+                               f"{tuple(a.shape)}; expected {tuple(view.shape)} or {tuple(st.shape)}")
+        view.copy_(a)
 
     # -------------------------------------------------------- introspection
     @property

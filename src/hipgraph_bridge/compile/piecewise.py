@@ -349,7 +349,7 @@ class PiecewiseSubgraph:
 
     def _direct(self, args: Sequence[Any]) -> Any:
         self.calls["eager"] += 1
-        return self.split(*args)
+        return self.split.forward(*args)
 
     def _graphed(self, args: Sequence[Any], n: int, b: int, values: dict[Any, int], exact: tuple[Any, ...]) -> Any:
         """Run the split module with the pieces on the graphs of the call's key (captured on its first call)."""
@@ -363,7 +363,7 @@ class PiecewiseSubgraph:
         ctx.complete, ctx.stale, ctx.blocked = key in self._complete, False, False
         ctx.ran.clear()
         try:
-            out = self.split(*args)
+            out = self.split.forward(*args)  # the generated code: no module hooks to run
         finally:
             ctx.mode, ctx.padded = Mode.DIRECT, False
             ctx.ran.clear()
@@ -424,7 +424,7 @@ class PiecewiseSubgraph:
         return self._full(*args)
 
     def _run_direct(self, *args: Any) -> Any:
-        return self.split(*args)  # the context is DIRECT outside _graphed: every part runs as compiled
+        return self.split.forward(*args)  # the context is DIRECT outside _graphed: every part runs as compiled
 
     def _rebind(self, args: Sequence[Any]) -> None:
         """Parameters or buffers moved: the graphs read the old memory; capture again."""
