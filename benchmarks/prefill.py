@@ -8,8 +8,8 @@ position ids, grouped-query attention through ``F.scaled_dot_product_attention``
 row's last prompt token (as a serving stack's prefill computes them).
 
 * stream: 200 requests at batch 1, prompt lengths drawn from 1..1024 (fixed seed);
-* mixed: batches of 1..8 requests of lengths drawn from 1..1024, right-padded to the longest
-  (causal attention: the padding after a prompt never reaches its last token).
+* mixed: 24 batches of 1..8 requests of lengths drawn from 1..1024, right-padded to the
+  longest (causal attention: the padding after a prompt never reaches its last token).
 
 Contenders, in this order, one process per model, every dynamo frame reset in between:
 eager, ``backend="gfxgraph"`` with ``piecewise=True`` (token buckets up to 1024),
@@ -17,13 +17,17 @@ eager, ``backend="gfxgraph"`` with ``piecewise=True`` (token buckets up to 1024)
 ``mode="reduce-overhead"``. The first request marks the sequence dimension dynamic for
 every compiled contender alike (one frame for every length; dynamo adds one for length 1).
 Compilation runs with inductor's caches off (TORCHINDUCTOR_FORCE_DISABLE_CACHES=1), after
-both compile paths compiled a tiny function once, so each contender pays its own compile.
+every compile path compiled a tiny function once, so each contender pays its own compile.
+To fit the time budget (about four minutes on an H200), reduce-overhead runs the first 60
+requests of the stream only (it records a graph per prompt length), the mixed run runs on the
+small model only and whole-graph ``backend="gfxgraph"`` on the small model only; the JSON
+records what ran (``--slow-stream``, ``--mixed-models``, ``--all-contenders`` change it).
 
 Per contender: total time for the stream (first pass: compile, capture or recording
-included); steady latency per request (second pass, a host sync around each request) against
+included); an untimed second pass (reduce-overhead records a shape's graph on its second
+call); steady latency per request (third pass, a host sync around each request) against
 prompt length; the same for the mixed run; graph memory (graph-pool bytes from the
-allocator); logits' max difference from eager. Slow modes may run fewer requests (the JSON
-says how many each ran); totals are compared on the requests both ran.
+allocator); logits' max difference from eager. Totals are compared on the requests both ran.
 
 Targets (issue 15): piecewise total for the stream <= 1/5 of reduce-overhead's; steady
 latency <= 0.77x ``mode="default"`` for prompts of at most 64 tokens on the small model, and
@@ -62,6 +66,12 @@ MAX_LEN = 1024
 BINS = ((1, 64), (65, 128), (129, 256), (257, 512), (513, 1024))
 PIECEWISE_OPTIONS = {"piecewise": True, "max_tokens": MAX_LEN}
 _MARK = "RESULT "
+DEVICE = "cuda"  # a smoke test of this script's logic may set "cpu"
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 CHILD_TIMEOUT_S = 400
 
 
@@ -137,7 +147,7 @@ class Llama(nn.Module):
 
 def build(name: str) -> Llama:
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         m = Llama(CONFIGS[name])
     m = m.to(torch.bfloat16).eval()
     m.set_rope()
@@ -147,15 +157,15 @@ def build(name: str) -> Llama:
 def make_requests(n_stream: int, n_mixed: int, vocab: int) -> tuple[list[Any], list[Any]]:
     """(stream, mixed): each request (ids, pos, last, lengths)."""
     rng = random.Random(0)
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
 
     def request(lengths: list[int]) -> tuple[Any, ...]:
         top = max(lengths)
-        ids = torch.randint(1, vocab, (len(lengths), top), device="cuda", generator=g)
+        ids = torch.randint(1, vocab, (len(lengths), top), device=DEVICE, generator=g)
         for row, n in enumerate(lengths):
             ids[row, n:] = 0  # right padding
-        pos = torch.arange(top, device="cuda").repeat(len(lengths), 1)
-        last = torch.tensor([n - 1 for n in lengths], device="cuda")
+        pos = torch.arange(top, device=DEVICE).repeat(len(lengths), 1)
+        last = torch.tensor([n - 1 for n in lengths], device=DEVICE)
         return ids, pos, last, lengths
 
     stream = [request([rng.randint(1, MAX_LEN)]) for _ in range(n_stream)]
@@ -178,18 +188,18 @@ def first_pass(fn: Any, reqs: list[Any], mark: tuple[int, ...],
     the first request marks the dims ``mark`` dynamic."""
     outs = []
     at = 0.0
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for i, (ids, pos, last, _) in enumerate(reqs):
         if i == checkpoint and checkpoint:
-            torch.cuda.synchronize()
+            sync()
             at = time.perf_counter() - t0
         if i == 0 and not isinstance(fn, nn.Module):
             for t in (ids, pos):
                 for d in mark:
                     torch._dynamo.mark_dynamic(t, d)
         outs.append(fn(ids, pos, last).clone())
-    torch.cuda.synchronize()
+    sync()
     total = time.perf_counter() - t0
     return total, at or total, outs
 
@@ -198,10 +208,10 @@ def steady_pass(fn: Any, reqs: list[Any]) -> tuple[list[float], list[torch.Tenso
     """Milliseconds per request (host sync before and after each), and the logits."""
     ms, outs = [], []
     for ids, pos, last, _ in reqs:
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         out = fn(ids, pos, last)
-        torch.cuda.synchronize()
+        sync()
         ms.append((time.perf_counter() - t0) * 1e3)
         outs.append(out.clone())
     return ms, outs
@@ -224,7 +234,7 @@ def warm_compilers() -> None:
     from hipgraph_bridge.compile import register
 
     register()
-    x = torch.randn(4, 8, device="cuda")
+    x = torch.randn(4, 8, device=DEVICE)
     for kw in ({"mode": "default"}, {"mode": "reduce-overhead"}, {"backend": "gfxgraph"}):
         torch._dynamo.reset()
         f = torch.compile(lambda t: F.gelu(t) * 2 + 1, **kw)
@@ -232,28 +242,36 @@ def warm_compilers() -> None:
             for _ in range(3):
                 f(x)
     torch._dynamo.reset()
-    torch.cuda.synchronize()
+    sync()
 
 
 def run_contender(model: Llama, mode: str, stream: list[Any], mixed: list[Any],
                   eager: dict[str, Any] | None, checkpoint: int) -> dict[str, Any]:
+    """One contender: the first pass (timed whole), an untimed pass (graphs recorded on a shape's
+    second call settle), the steady pass (timed per request); then the same for the mixed run."""
     from hipgraph_bridge import graph_pool_bytes
 
     torch._dynamo.reset()
-    torch.cuda.synchronize()
+    sync()
     pools_before = graph_pool_bytes()
     fn = make_fn(model, mode)
     res: dict[str, Any] = {"mode": mode, "stream_requests": len(stream), "mixed_batches": len(mixed)}
     with torch.no_grad():
         res["stream_total_s"], res["checkpoint_total_s"], first = first_pass(fn, stream, (1,), checkpoint)
+        t0 = time.perf_counter()
+        steady_pass(fn, stream)
+        res["settle_pass_s"] = time.perf_counter() - t0
         res["stream_ms"], outs = steady_pass(fn, stream)
-        res["mixed_total_s"], _, _ = first_pass(fn, mixed, (0, 1))
-        res["mixed_ms"], mixed_outs = steady_pass(fn, mixed)
-    torch.cuda.synchronize()
+        mixed_outs: list[torch.Tensor] = []
+        if mixed:
+            res["mixed_total_s"], _, _ = first_pass(fn, mixed, (0, 1))
+            steady_pass(fn, mixed)
+            res["mixed_ms"], mixed_outs = steady_pass(fn, mixed)
+    sync()
     res["graph_bytes"] = graph_pool_bytes() - pools_before
     if eager is not None:
         res["stream_max_diff"], res["stream_within_tol"] = max_diff(outs, eager["stream_outs"][:len(outs)])
-        res["mixed_max_diff"], res["mixed_within_tol"] = max_diff(mixed_outs, eager["mixed_outs"][:len(mixed)])
+        res["mixed_max_diff"], res["mixed_within_tol"] = max_diff(mixed_outs, eager["mixed_outs"])
         res["first_pass_max_diff"], _ = max_diff(first, eager["stream_outs"][:len(first)])
     else:
         res["stream_outs"], res["mixed_outs"] = outs, mixed_outs
@@ -267,24 +285,30 @@ def run_contender(model: Llama, mode: str, stream: list[Any], mixed: list[Any],
     return res
 
 
-def child(name: str, n_stream: int, n_mixed: int, slow_stream: int) -> dict[str, Any]:
-    """Every contender on one model; returns the figures (printed as one JSON line)."""
+def child(name: str, n_stream: int, n_mixed: int, slow_stream: int, contenders: list[str]) -> dict[str, Any]:
+    """The contenders on one model; returns the figures (printed as one JSON line)."""
     model = build(name)
     stream, mixed = make_requests(n_stream, n_mixed, CONFIGS[name]["vocab"])
     with torch.no_grad():  # CUDA context, cuBLAS handles, workspaces: outside every timing
         model(*stream[0][:3])
     warm_compilers()
-    out: dict[str, Any] = {"model": name, "slow_stream": slow_stream, "params": sum(p.numel() for p in model.parameters()),
+    out: dict[str, Any] = {"model": name, "slow_stream": slow_stream, "contenders": contenders,
+                           "params": sum(p.numel() for p in model.parameters()),
                            "stream_lengths": [r[3][0] for r in stream], "mixed_lengths": [r[3] for r in mixed]}
     eager = None
-    for mode in CONTENDERS:
+    for mode in contenders:
         n = slow_stream if mode == "reduce-overhead" else n_stream
         t0 = time.perf_counter()
-        res = run_contender(model, mode, stream[:n], mixed, eager, checkpoint=slow_stream)
+        try:
+            res = run_contender(model, mode, stream[:n], mixed, eager, checkpoint=slow_stream)
+        except Exception as exc:  # one contender's failure is reported, the others still run
+            out[mode] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+            torch._dynamo.reset()
+            continue
         res["contender_wall_s"] = time.perf_counter() - t0
         print(f"{name} {mode}: stream total {res['stream_total_s']:.2f} s, median "
-              f"{statistics.median(res['stream_ms']):.3f} ms, mixed total {res['mixed_total_s']:.2f} s "
-              f"({res['contender_wall_s']:.0f} s)", file=sys.stderr, flush=True)
+              f"{statistics.median(res['stream_ms']):.3f} ms ({res['contender_wall_s']:.0f} s)",
+              file=sys.stderr, flush=True)
         if mode == "eager":
             eager = res
         out[mode] = {k: v for k, v in res.items() if not k.endswith("_outs")}
@@ -295,8 +319,10 @@ def run_child(name: str, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"gfxgraph-prefill-{name}-") as tmp:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor"),
                "TRITON_CACHE_DIR": str(Path(tmp) / "triton"), "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, __file__, "--child", name, "--stream", str(args.stream), "--mixed", str(args.mixed),
-               "--slow-stream", str(args.slow_stream)]
+        mixed = args.mixed if name in args.mixed_models.split(",") else 0
+        contenders = [c for c in CONTENDERS if name == "llama-small" or args.all_contenders or c != "gfxgraph"]
+        cmd = [sys.executable, __file__, "--child", name, "--stream", str(args.stream), "--mixed", str(mixed),
+               "--slow-stream", str(args.slow_stream), "--contenders", ",".join(contenders)]
         try:
             r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, timeout=CHILD_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -313,7 +339,7 @@ def _median(xs: list[float]) -> float | None:
 
 def bin_ratios(res: dict[str, Any], mode: str, lengths: list[int]) -> list[tuple[str, float | None, int]]:
     """Per length bin: median over its requests of (mode's latency / default's), and the request count."""
-    a, d = res[mode].get("stream_ms"), res["default"].get("stream_ms")
+    a, d = res.get(mode, {}).get("stream_ms"), res.get("default", {}).get("stream_ms")
     if not a or not d:
         return []
     out = []
@@ -323,32 +349,41 @@ def bin_ratios(res: dict[str, Any], mode: str, lengths: list[int]) -> list[tuple
     return out
 
 
+def _mode_figures(name: str, mode: str, r: dict[str, Any]) -> list[dict[str, Any]]:
+    mib, n = 2**20, r["stream_requests"]
+    figs = [
+        figure(f"{name} {mode}: stream total ({n} requests, compile and capture included)", r["stream_total_s"],
+               None, None, "s"),
+        figure(f"{name} {mode}: steady latency, median over the stream", _median(r["stream_ms"]), None, None, "ms"),
+    ]
+    if r.get("mixed_ms"):
+        figs += [
+            figure(f"{name} {mode}: mixed run total ({r['mixed_batches']} batches of 1..8)", r["mixed_total_s"],
+                   None, None, "s"),
+            figure(f"{name} {mode}: mixed run steady latency, median per batch", _median(r["mixed_ms"]), None,
+                   None, "ms"),
+        ]
+    if mode != "eager":
+        mixed = f"; mixed run {r['mixed_max_diff']:.3g}" if r.get("mixed_ms") else ""
+        figs += [
+            figure(f"{name} {mode}: graph memory", r["graph_bytes"] / mib, None, None, "MiB"),
+            figure(f"{name} {mode}: max |logit - eager| over the stream", r["stream_max_diff"],
+                   "within bf16 tolerance of eager (rtol 5e-2, atol 1e-2)",
+                   bool(r["stream_within_tol"] and r["mixed_within_tol"]),
+                   note=f"first pass {r['first_pass_max_diff']:.3g}{mixed}"),
+        ]
+    return figs
+
+
 def model_figures(res: dict[str, Any]) -> list[dict[str, Any]]:
     name, figs, mib = res["model"], [], 2**20
     lengths = res["stream_lengths"]
-    for mode in CONTENDERS:
+    for mode in res.get("contenders", CONTENDERS):
         r = res.get(mode)
         if not isinstance(r, dict) or "stream_ms" not in r:
-            figs.append(figure(f"{name} {mode}: failed", None, None, False, note=str(r)))
+            figs.append(figure(f"{name} {mode}: failed", None, None, False, note=str(r)[:500]))
             continue
-        n = r["stream_requests"]
-        figs += [
-            figure(f"{name} {mode}: stream total ({n} requests, compile and capture included)", r["stream_total_s"],
-                   None, None, "s"),
-            figure(f"{name} {mode}: steady latency, median over the stream", _median(r["stream_ms"]), None, None, "ms"),
-            figure(f"{name} {mode}: mixed run total ({r['mixed_batches']} batches of 1..8)", r["mixed_total_s"],
-                   None, None, "s"),
-            figure(f"{name} {mode}: mixed run steady latency, median per batch", _median(r["mixed_ms"]), None, None,
-                   "ms"),
-        ]
-        if mode != "eager":
-            figs += [
-                figure(f"{name} {mode}: graph memory", r["graph_bytes"] / mib, None, None, "MiB"),
-                figure(f"{name} {mode}: max |logit - eager| (stream; mixed in note)", r["stream_max_diff"],
-                       "within bf16 tolerance of eager (rtol 5e-2, atol 1e-2)",
-                       bool(r["stream_within_tol"] and r["mixed_within_tol"]),
-                       note=f"mixed run {r['mixed_max_diff']:.3g}"),
-            ]
+        figs += _mode_figures(name, mode, r)
     pw, ro = res.get("piecewise", {}), res.get("reduce-overhead", {})
     if "checkpoint_total_s" in pw and "stream_total_s" in ro:
         k = ro["stream_requests"]
@@ -408,14 +443,19 @@ def main() -> None:
     p.add_argument("--models", default="llama-small,llama-1.5b")
     p.add_argument("--stream", type=int, default=None, help="requests in the batch-1 stream (200)")
     p.add_argument("--mixed", type=int, default=None, help="batches in the mixed run (24)")
-    p.add_argument("--slow-stream", type=int, default=None, help="stream requests for reduce-overhead")
+    p.add_argument("--slow-stream", type=int, default=None, help="stream requests for reduce-overhead (60)")
+    p.add_argument("--mixed-models", default="llama-small", help="models that also run the mixed batches")
+    p.add_argument("--all-contenders", action="store_true",
+                   help="also run whole-graph backend='gfxgraph' on the 1.5B model (skipped for time by default)")
     p.add_argument("--child", choices=tuple(CONFIGS), help=argparse.SUPPRESS)
+    p.add_argument("--contenders", default=",".join(CONTENDERS), help=argparse.SUPPRESS)
     args = p.parse_args()
     args.stream = args.stream or (24 if args.quick else 200)
     args.mixed = args.mixed or (6 if args.quick else 24)
-    args.slow_stream = min(args.slow_stream or args.stream, args.stream)
+    args.slow_stream = min(args.slow_stream or (12 if args.quick else 60), args.stream)
     if args.child:
-        print(_MARK + json.dumps(child(args.child, args.stream, args.mixed, args.slow_stream)), flush=True)
+        out = child(args.child, args.stream, args.mixed, args.slow_stream, args.contenders.split(","))
+        print(_MARK + json.dumps(out), flush=True)
         return
     models = ["llama-small"] if args.quick and args.models == p.get_default("models") else args.models.split(",")
     results = [run_child(name, args) for name in models]
@@ -423,8 +463,13 @@ def main() -> None:
     for res in results:
         if "error" in res:
             figures.append(figure(f"{res['model']}: failed", None, None, False, note=res["error"]))
-    extra = {"method": __doc__, "quick": args.quick, "requests": {"stream": args.stream, "mixed": args.mixed,
-             "reduce-overhead stream": args.slow_stream}, "results": results, "plot": plot(results, args.out)}
+    extra = {"method": __doc__, "quick": args.quick, "plot": plot(results, args.out), "results": results,
+             "requests": {"stream": args.stream, "mixed batches": args.mixed, "mixed run on": args.mixed_models,
+                          "reduce-overhead stream": args.slow_stream,
+                          "note": "reduce-overhead runs the first 'reduce-overhead stream' requests only (it records "
+                                  "a graph per prompt length); totals are compared on those requests. The mixed run "
+                                  "and, on the 1.5B model, whole-graph backend='gfxgraph' are left out by default "
+                                  "to fit the time budget (--mixed-models, --all-contenders)"}}
     write(args.out, "prefill", figures, extra)
 
 
