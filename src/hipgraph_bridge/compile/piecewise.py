@@ -53,7 +53,7 @@ from .options import BackendOptions
 from .parts import CallContext, Mode, PieceEnv, Splitter, narrow, token_dims, trivial
 from .pieces import Piece
 from .plan import fx_mutated_inputs, is_ref
-from .splitting import SplittingOps, split_graph, tuple_output
+from .splitting import SplittingOps, split_graph, structure_key, tuple_output
 from .subgraph import CompiledSubgraph, SubgraphState, count_compile, register_subgraph
 
 __all__ = ["PiecewiseSubgraph", "TokenSymbol", "find_token_symbol", "piecewise_subgraph"]
@@ -117,43 +117,6 @@ def piecewise_subgraph(gm: fx.GraphModule, example_inputs: list[Any], opts: Back
 
 class _NotPiecewise(Exception):
     """A frame the piecewise path cannot serve (it is served whole instead)."""
-
-
-def _structure_key(module: fx.GraphModule) -> Any:
-    """A key equal for pieces with the same code over inputs of the same kinds (a model's layers);
-    None when a piece holds something that makes sharing its compilation unsafe."""
-    index: dict[fx.Node, int] = {}
-
-    def arg(a: Any) -> Any:
-        if isinstance(a, fx.Node):
-            return ("node", index[a])
-        if isinstance(a, (list, tuple)):
-            return (type(a).__name__, tuple(arg(x) for x in a))
-        if isinstance(a, dict):
-            return ("dict", tuple((k, arg(v)) for k, v in a.items()))
-        if isinstance(a, slice):
-            return ("slice", arg(a.start), arg(a.stop), arg(a.step))
-        hash(a)
-        return a
-
-    parts: list[Any] = []
-    try:
-        for node in module.graph.nodes:
-            index[node] = len(index)
-            if node.op in ("get_attr", "call_module"):
-                return None
-            if node.op == "placeholder":
-                v = node.meta.get("example_value")
-                if isinstance(v, torch.Tensor):
-                    parts.append(("in", type(v).__name__, v.dtype, str(v.device), str(tuple(v.shape)),
-                                  str(v.stride()), v.requires_grad))
-                else:
-                    parts.append(("in", str(v)))
-                continue
-            parts.append((node.op, node.target, arg(node.args), arg(node.kwargs)))
-    except TypeError:  # an unhashable constant
-        return None
-    return tuple(parts)
 
 
 class PiecewiseSubgraph:
@@ -280,7 +243,7 @@ class PiecewiseSubgraph:
         if trivial(module):
             return Piece(part.name, module, module.forward, self.env, single=single, refs=refs,
                          mutated=fx_mutated_inputs(module), never=None, trivial=True)
-        key = _structure_key(module)
+        key = structure_key(module)
         hit = cache.get(key) if key is not None else None
         if hit is None:
             fakes = [n.meta.get("example_value") for n in module.graph.nodes if n.op == "placeholder"]

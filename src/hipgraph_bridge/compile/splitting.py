@@ -32,13 +32,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import fx
 from torch.fx.passes.split_module import split_module
 
 from .._torch_compat import op_name, op_packet, resolve_op
 from ..errors import ConfigError
 
-__all__ = ["DEFAULT_SPLITTING_OPS", "parse_splitting_ops", "SplittingOps", "Part", "split_graph"]
+__all__ = ["DEFAULT_SPLITTING_OPS", "parse_splitting_ops", "SplittingOps", "Part", "split_graph", "tuple_output",
+           "structure_key"]
 
 DEFAULT_SPLITTING_OPS: tuple[str, ...] = (
     "torch.nn.functional.scaled_dot_product_attention",
@@ -180,3 +182,40 @@ def tuple_output(module: fx.GraphModule) -> bool:
     out.args = ((out.args[0],),)
     module.recompile()
     return True
+
+
+def structure_key(module: fx.GraphModule) -> Any:
+    """A key equal for pieces with the same code over inputs of the same kinds (a model's layers);
+    None when a piece holds something that makes sharing its compilation unsafe."""
+    index: dict[fx.Node, int] = {}
+
+    def arg(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return ("node", index[a])
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__, tuple(arg(x) for x in a))
+        if isinstance(a, dict):
+            return ("dict", tuple((k, arg(v)) for k, v in a.items()))
+        if isinstance(a, slice):
+            return ("slice", arg(a.start), arg(a.stop), arg(a.step))
+        hash(a)
+        return a
+
+    parts: list[Any] = []
+    try:
+        for node in module.graph.nodes:
+            index[node] = len(index)
+            if node.op in ("get_attr", "call_module"):
+                return None
+            if node.op == "placeholder":
+                v = node.meta.get("example_value")
+                if isinstance(v, torch.Tensor):
+                    parts.append(("in", type(v).__name__, v.dtype, str(v.device), str(tuple(v.shape)),
+                                  str(v.stride()), v.requires_grad))
+                else:
+                    parts.append(("in", str(v)))
+                continue
+            parts.append((node.op, node.target, arg(node.args), arg(node.kwargs)))
+    except TypeError:  # an unhashable constant
+        return None
+    return tuple(parts)
