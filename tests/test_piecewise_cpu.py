@@ -446,3 +446,18 @@ def test_the_gpu_path_with_a_static_cache_and_decode(fake_graphs):
     writer = frame.pieces[0]
     assert writer.status() == "unpadded: padded_state_write" and writer.captured_buckets == [8, 16, 32]
     assert frame.report()["piece_eager_runs"] == 1  # the 5-token prompt: padding would write the cache
+
+
+def test_the_gpu_path_with_inductor_pieces(fake_graphs):
+    """Inductor checks its inputs' strides: staged, narrowed and splitting-op outputs all pass."""
+    m = TinyLM(attn="custom").eval()
+    gfxgraph.enable(validate=True)
+    try:
+        run_lengths(m, [5, 7, 9, 3, 16, 17, 9, 600], options={"compiler": "inductor", "simulate_padding": False,
+                                                              "splitting_ops": ["gfxtest::attn"]})
+    finally:
+        gfxgraph.disable()
+    (frame,) = frames()
+    assert frame.compiler in ("inductor", "eager") and frame.calls == {"piecewise": 6, "full": 0, "eager": 1}
+    assert all(p.status() == "graphed" for p in frame.pieces)
+    assert gfxgraph.stats()["validation_failures"] == 0 and gfxgraph.stats()["validation_checks"] >= 18

@@ -18,7 +18,7 @@ from _piecewise_models import SEEN, CachedAttention, TinyLM
 
 pytestmark = pytest.mark.gpu
 cb.register()  # also when the tests run from a checkout that is not installed (no entry points)
-TOL = {torch.float32: dict(rtol=2e-3, atol=2e-3), torch.bfloat16: dict(rtol=5e-2, atol=8e-2)}
+TOL = {torch.float32: dict(rtol=2e-3, atol=2e-3), torch.bfloat16: dict(rtol=5e-2, atol=1e-1)}
 LENGTHS = [5, 37, 2, 100, 64, 129, 17, 255, 3, 500, 64, 8, 300, 31, 512, 77]
 
 _before: weakref.WeakSet = weakref.WeakSet()
