@@ -31,6 +31,7 @@ dynamo / inductor              ``compile_fx``, ``list_mode_options``,      same
                                registry, ``TracingContext.fw_metadata``
 torch ops by name              ``torch._ops.OpOverload`` and its packet    same
                                (the piecewise backend's splitting ops)
+lazy fx code                   ``_LazyGraphModule.real_recompile`` (2.3+)  same
 =============================  ==========================================  ======================================
 
 Function-local imports here are of ``torch._dynamo``/``torch._inductor``:
@@ -78,6 +79,7 @@ __all__ = [
     "resolve_op",
     "op_packet",
     "op_name",
+    "generated_forward",
     "describe",
 ]
 
@@ -332,6 +334,15 @@ def op_name(obj: Any) -> str | None:
     if isinstance(obj, torch._ops.HigherOrderOperator):
         return f"higher_order::{obj.name()}"
     return None
+
+
+def generated_forward(gm: torch.fx.GraphModule) -> Callable[..., Any]:
+    """``gm``'s generated ``forward``, compiled now: a lazily recompiled module would otherwise check
+    (through ``nn.Module.__call__``) whether to recompile on every call."""
+    materialize = getattr(gm, "real_recompile", None)
+    if materialize is not None:
+        materialize()
+    return gm.forward
 
 
 def describe() -> dict[str, Any]:

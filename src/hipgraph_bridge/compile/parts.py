@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from .._torch_compat import sym_expr
+from .._torch_compat import generated_forward, sym_expr
 from ..bucketing.capture import BucketCapturer
 from .plan import VIEW_OPS
 
@@ -133,7 +133,7 @@ class Splitter:
 
     def __init__(self, module: fx.GraphModule, env: PieceEnv) -> None:
         self.env = env
-        self.fn = module.forward
+        self.fn = generated_forward(module)
         fakes = [n.meta.get("example_value") for n in module.graph.nodes if n.op == "placeholder"]
         self.narrows = [(k, token_dims(f, env.token)[0]) for k, f in enumerate(fakes)
                         if isinstance(f, torch.Tensor) and token_dims(f, env.token)[0]]

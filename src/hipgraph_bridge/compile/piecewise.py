@@ -41,7 +41,7 @@ import torch
 from torch import fx
 
 from .. import stats
-from .._torch_compat import aot_mutated_inputs, pointers_equal, sym_expr, sym_range
+from .._torch_compat import aot_mutated_inputs, generated_forward, pointers_equal, sym_expr, sym_range
 from ..bucketing.buckets import BucketTable, default_buckets
 from ..bucketing.capture import BucketCapturer
 from ..bucketing.ordering import CallOrder
@@ -144,6 +144,7 @@ class PiecewiseSubgraph:
         self.env = PieceEnv(self.ctx, capturer, token.symbol, self.buckets[-1] if self.buckets else 1,
                             opts.pad_value, opts.warmup_iters)
         self.split, parts = split_graph(gm, ops)
+        self._forward = generated_forward(self.split)
         self.pieces: list[Piece] = []
         self.splitters: list[Splitter] = []
         self._install(parts, self._ref_positions(parts))
@@ -241,7 +242,7 @@ class PiecewiseSubgraph:
     def _piece(self, part: Any, single: bool, refs: frozenset[int], cache: dict[Any, Any]) -> Piece:
         module = part.module
         if trivial(module):
-            return Piece(part.name, module, module.forward, self.env, single=single, refs=refs,
+            return Piece(part.name, module, generated_forward(module), self.env, single=single, refs=refs,
                          mutated=fx_mutated_inputs(module), never=None, trivial=True)
         key = structure_key(module)
         hit = cache.get(key) if key is not None else None
@@ -312,7 +313,7 @@ class PiecewiseSubgraph:
 
     def _direct(self, args: Sequence[Any]) -> Any:
         self.calls["eager"] += 1
-        return self.split.forward(*args)
+        return self._forward(*args)
 
     def _graphed(self, args: Sequence[Any], n: int, b: int, values: dict[Any, int], exact: tuple[Any, ...]) -> Any:
         """Run the split module with the pieces on the graphs of the call's key (captured on its first call)."""
@@ -326,7 +327,7 @@ class PiecewiseSubgraph:
         ctx.complete, ctx.stale, ctx.blocked = key in self._complete, False, False
         ctx.ran.clear()
         try:
-            out = self.split.forward(*args)  # the generated code: no module hooks to run
+            out = self._forward(*args)  # the generated code: no module hooks to run
         finally:
             ctx.mode, ctx.padded = Mode.DIRECT, False
             ctx.ran.clear()
@@ -387,7 +388,7 @@ class PiecewiseSubgraph:
         return self._full(*args)
 
     def _run_direct(self, *args: Any) -> Any:
-        return self.split.forward(*args)  # the context is DIRECT outside _graphed: every part runs as compiled
+        return self._forward(*args)  # the context is DIRECT outside _graphed: every part runs as compiled
 
     def _rebind(self, args: Sequence[Any]) -> None:
         """Parameters or buffers moved: the graphs read the old memory; capture again."""
