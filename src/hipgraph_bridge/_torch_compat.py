@@ -34,6 +34,9 @@ dynamo / inductor              ``compile_fx``, ``list_mode_options``,      same
 collectives in an FX graph     ``torch._ops.OpOverload[Packet]`` in the    same
                                ``_c10d_functional`` (and ``c10d``) op
                                namespaces
+torch ops by name              ``torch._ops.OpOverload`` and its packet    same
+                               (the piecewise backend's splitting ops)
+lazy fx code                   ``_LazyGraphModule.real_recompile`` (2.3+)  same
 =============================  ==========================================  ======================================
 
 Function-local imports here are of ``torch._dynamo``/``torch._inductor``:
@@ -78,6 +81,10 @@ __all__ = [
     "dynamo_registry",
     "lookup_backend",
     "is_dynamo_signal",
+    "resolve_op",
+    "op_packet",
+    "op_name",
+    "generated_forward",
     "describe",
     "plain_torch_function",
 ]
@@ -329,6 +336,43 @@ def collective_op_name(target: Any) -> str | None:
         return name if name.split(".")[0] in _COLLECTIVE_NAMESPACES else None
     module = getattr(target, "__module__", None) or ""
     return f"{module}.{getattr(target, '__name__', '?')}" if module.startswith("torch.distributed") else None
+# ------------------------------------------------------------------ torch ops by name
+def resolve_op(path: list[str]) -> Any:
+    """``torch.ops.<ns>.<name>[.<overload>]`` for ``path == [ns, name(, overload)]``; None when absent."""
+    obj: Any = torch.ops
+    for part in path:
+        try:
+            obj = getattr(obj, part)
+        except (AttributeError, RuntimeError):
+            return None
+    return obj if isinstance(obj, (torch._ops.OpOverload, torch._ops.OpOverloadPacket,
+                                   torch._ops.HigherOrderOperator)) else None
+
+
+def op_packet(target: Any) -> Any:
+    """The overload packet of an ``OpOverload`` (``aten.add`` for ``aten.add.Tensor``); None for anything else."""
+    return target.overloadpacket if isinstance(target, torch._ops.OpOverload) else None
+
+
+def op_name(obj: Any) -> str | None:
+    """``"ns::op.overload"`` for an ``OpOverload``, ``"ns::op"`` for its packet; None for anything else."""
+    if isinstance(obj, torch._ops.OpOverload):
+        full = obj.name()
+        return full if "." in full.split("::", 1)[1] else f"{full}.default"
+    if isinstance(obj, torch._ops.OpOverloadPacket):
+        return obj._qualified_op_name
+    if isinstance(obj, torch._ops.HigherOrderOperator):
+        return f"higher_order::{obj.name()}"
+    return None
+
+
+def generated_forward(gm: torch.fx.GraphModule) -> Callable[..., Any]:
+    """``gm``'s generated ``forward``, compiled now: a lazily recompiled module would otherwise check
+    (through ``nn.Module.__call__``) whether to recompile on every call."""
+    materialize = getattr(gm, "real_recompile", None)
+    if materialize is not None:
+        materialize()
+    return gm.forward
 
 
 def describe() -> dict[str, Any]:

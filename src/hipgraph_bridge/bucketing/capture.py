@@ -77,10 +77,11 @@ class BucketCapturer:
         return why if over else None
 
     def capture(self, run: Callable[[], Any], bucket: int, *, keep_warm: bool, freeze_gc: bool,
-                cap_checked: bool = False) -> Captured:
+                cap_checked: bool = False, warmup_iters: int | None = None) -> Captured:
         """Warm ``run`` up and capture it. Exceptions of ``run`` become a failed :class:`Captured`;
         a ``KeyboardInterrupt`` (any ``BaseException``) propagates after the capture was ended.
-        ``cap_checked``: :meth:`refusal` was asked already (the ranks agreed on it)."""
+        ``cap_checked``: :meth:`refusal` was asked already (the ranks agreed on it).
+        ``warmup_iters`` overrides the capturer's for this capture (a state-writing run warms up at most once)."""
         why = None if cap_checked else self.refusal(bucket)
         if why is not None:
             logger.warning("gfxgraph: bucket %d runs eagerly: %s", bucket, why)
@@ -97,7 +98,7 @@ class BucketCapturer:
         result.stage = "warm_up"
         try:
             with torch.no_grad():
-                warm = warm_up(run, self._stream, self.warmup_iters)
+                warm = warm_up(run, self._stream, self.warmup_iters if warmup_iters is None else warmup_iters)
                 result.warm = warm if keep_warm else None
                 del warm  # ahead-of-time capture: nobody returns it, so free it before capturing
                 result.stage = "capture"

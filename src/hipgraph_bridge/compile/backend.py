@@ -60,10 +60,11 @@ import torch
 from .._torch_compat import dynamo_registry
 from ..log import logger
 from .options import BackendOptions
+from .piecewise import PiecewiseSubgraph, piecewise_subgraph
 from .subgraph import CompiledSubgraph, SubgraphState, compile_counts, live_subgraphs
 
-__all__ = ["BACKEND_NAMES", "gfxgraph_backend", "register", "backend_stats", "compiled_subgraphs",
-           "reset_backend"]
+__all__ = ["BACKEND_NAMES", "gfxgraph_backend", "register", "backend_stats", "piecewise_stats",
+           "compiled_subgraphs", "reset_backend"]
 
 BACKEND_NAMES = ("gfxgraph", "hipgraph_bridge")
 
@@ -83,10 +84,16 @@ def gfxgraph_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         raise TypeError(f"torch.compile(backend='gfxgraph', options=...): expected a dict of option names to "
                         f"values, got {type(options).__name__}; known options: {', '.join(BackendOptions.known())}")
     opts = BackendOptions.from_mapping({**(options or {}), **option_kwargs}, mode=mode)
-    sub = CompiledSubgraph(gm, list(example_inputs), opts)
+    sub: Any = (piecewise_subgraph(gm, list(example_inputs), opts) if opts.piecewise
+                else CompiledSubgraph(gm, list(example_inputs), opts))
 
-    def run(*args: Any) -> Any:
-        return sub(*args)
+    if sub.role == "full":  # a frame with splitting ops served whole (decode): its calls are counted
+        def run(*args: Any) -> Any:
+            sub.calls += 1
+            return sub(*args)
+    else:
+        def run(*args: Any) -> Any:
+            return sub(*args)
 
     run.subgraph = sub  # type: ignore[attr-defined]  # introspection: state, reason, buckets
     return run
@@ -125,8 +132,8 @@ def backend_stats() -> dict[str, Any]:
 
     Keys: ``subgraphs``, ``graphed``, ``lazy``, ``ungraphed`` (reason -> count),
     ``compiles`` and ``compile_seconds`` (process totals), ``graphs`` (captured
-    bucket graphs), ``pool_bytes`` (their graph-pool memory). Cost: walks the
-    allocator's segments (milliseconds).
+    bucket graphs), ``pool_bytes`` (their graph-pool memory), ``piecewise``
+    (:func:`piecewise_stats`). Cost: walks the allocator's segments (milliseconds).
     """
     subs = live_subgraphs()
     ungraphed: dict[str, int] = {}
@@ -143,7 +150,36 @@ def backend_stats() -> dict[str, Any]:
         "compile_seconds": seconds,
         "graphs": sum(s.graph_count() for s in subs),
         "pool_bytes": sum(s.pool_bytes() for s in subs),
+        "piecewise": piecewise_stats(subs),
     }
+
+
+def piecewise_stats(subs: list[Any] | None = None) -> dict[str, Any]:
+    """The piecewise frames' figures, summed: pieces, splitting ops, graphs, memory, capture time, calls.
+
+    ``calls``: ``piecewise`` (pieces replayed around eager splitting ops),
+    ``full`` (one graph for the whole frame: one-token calls, and the frames
+    dynamo compiled for a sequence length of 1), ``eager`` (the pieces compiled,
+    unpadded: oversize, no GPU, ungraphed). ``piece_status`` lists how each
+    piece runs. Memory: ``pool_bytes`` (graph pools), ``staging_bytes`` (static
+    input buffers).
+    """
+    subs = live_subgraphs() if subs is None else subs
+    frames = [s.report() for s in subs if isinstance(s, PiecewiseSubgraph)]
+    full = [s for s in subs if isinstance(s, CompiledSubgraph) and s.role == "full"]
+    out: dict[str, Any] = {"frames": len(frames), "full_graph_frames": len(full)}
+    for key in ("pieces", "splitting_ops", "graphs", "pool_bytes", "staging_bytes", "capture_seconds",
+                "largest_first_seconds", "compile_seconds", "piece_replays", "piece_captures", "piece_eager_runs"):
+        out[key] = sum(f[key] for f in frames)
+    out["graphs"] += sum(s.graph_count() for s in full)
+    out["pool_bytes"] += sum(s.pool_bytes() for s in full)
+    calls = {"piecewise": 0, "full": sum(s.calls for s in full), "eager": 0}
+    for f in frames:
+        for k, v in f["calls"].items():
+            calls[k] += v
+    out["calls"] = calls
+    out["piece_status"] = [line for f in frames for line in f["piece_status"]]
+    return out
 
 
 def compiled_subgraphs() -> list[CompiledSubgraph]:

@@ -13,6 +13,7 @@ from ..bucketing.ranks import RankAgreement, as_agreement
 from ..checks import check_bool, check_int
 from ..config import check_vram_cap
 from ..errors import ConfigError
+from .splitting import parse_splitting_ops
 
 __all__ = ["BackendOptions", "Compiler"]
 
@@ -63,6 +64,17 @@ class BackendOptions:
             together) and so does its choice to graph or not. Without it such a
             subgraph runs compiled, ungraphed (reason ``collectives``). Subgraphs
             without collectives never wait for other ranks.
+        piecewise: split each dynamo graph at the splitting ops and graph the pieces between
+            them per bucket of the token count (False); see :mod:`.piecewise`.
+        splitting_ops: torch op names to split at besides the default attention ops
+            (:data:`~.splitting.DEFAULT_SPLITTING_OPS`): ``"ns::op"``, ``"ns::op.overload"``,
+            ``"torch.ops.ns.op"`` or a dotted function path; stored resolved and canonical.
+        token_dim: the dimension of the graph's first tensor input that carries the token
+            count (None: found from the dynamic sizes; see :func:`.piecewise.find_token_symbol`).
+        token_buckets: token counts to capture the pieces at; default
+            :func:`~hipgraph_bridge.default_buckets` up to ``max_tokens``.
+        max_tokens: the largest default token bucket (512); longer calls run the pieces
+            compiled, without graphs (reason ``oversize``).
     """
 
     buckets: tuple[int, ...] | None = None
@@ -79,6 +91,11 @@ class BackendOptions:
     graphs: bool = True
     simulate_padding: bool = False
     process_group: RankAgreement | None = None
+    piecewise: bool = False
+    splitting_ops: tuple[str, ...] = ()
+    token_dim: int | None = None
+    token_buckets: tuple[int, ...] | None = None
+    max_tokens: int = 512
     mode_config: tuple[tuple[str, Any], ...] = field(default=(), repr=False)  # from torch.compile(mode=...)
 
     @classmethod
@@ -116,9 +133,10 @@ class BackendOptions:
         for name in ("batch_dim", "warmup_iters"):
             if name in o:
                 kw[name] = _positive_int(name, o[name], minimum=0)
-        for name in ("copy_outputs", "graphs", "simulate_padding"):
+        for name in ("copy_outputs", "graphs", "simulate_padding", "piecewise"):
             if name in o:
                 kw[name] = _flag(name, o[name])
+        kw.update(_piecewise_options(o))
         if o.get("vram_cap") is not None:
             kw["vram_cap"] = check_vram_cap(o["vram_cap"], name="options['vram_cap']")
         if "pad_value" in o:
@@ -141,6 +159,34 @@ class BackendOptions:
     def inductor_patches(self) -> dict[str, Any]:
         """Config patches for ``compile_fx``: mode's, then the user's, then CUDA graphs off."""
         return {**dict(self.mode_config), **dict(self.inductor_config), "triton.cudagraphs": False}
+
+
+_PIECEWISE_ONLY = ("splitting_ops", "token_dim", "token_buckets", "max_tokens")
+
+
+def _piecewise_options(o: dict[str, Any]) -> dict[str, Any]:
+    """The piecewise options, checked: each needs ``piecewise=True`` and names what it expects."""
+    given = [k for k in _PIECEWISE_ONLY if k in o]
+    if given and o.get("piecewise") is not True:
+        raise ConfigError(f"options[{given[0]!r}]: expected together with options['piecewise'] = True "
+                          f"(it only applies to piecewise graphs), got piecewise={o.get('piecewise', False)!r}")
+    if o.get("token_buckets") is not None and "max_tokens" in o:
+        raise ConfigError(f"options['token_buckets'] and options['max_tokens']: expected one of them "
+                          f"(max_tokens only chooses the default token buckets), got token_buckets="
+                          f"{o['token_buckets']!r} and max_tokens={o['max_tokens']!r}")
+    kw: dict[str, Any] = {}
+    if "splitting_ops" in o:
+        kw["splitting_ops"] = parse_splitting_ops(o["splitting_ops"])
+    if o.get("token_dim") is not None:
+        kw["token_dim"] = _positive_int("token_dim", o["token_dim"], minimum=0)
+    if o.get("token_buckets") is not None:
+        try:
+            kw["token_buckets"] = tuple(validate_buckets(o["token_buckets"]))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"options['token_buckets']: {exc}") from None
+    if "max_tokens" in o:
+        kw["max_tokens"] = _positive_int("max_tokens", o["max_tokens"])
+    return kw
 
 
 def _inductor_patches(cfg: Any) -> tuple[tuple[str, Any], ...]:

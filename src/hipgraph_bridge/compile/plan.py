@@ -48,7 +48,8 @@ from torch import fx
 
 from .._torch_compat import collective_op_name, static_address_type, sym_expr, sym_hint, sym_range
 
-__all__ = ["InputSlot", "IntOutput", "GraphPlan", "analyze", "fx_mutated_inputs", "collective_ops"]
+__all__ = ["InputSlot", "IntOutput", "GraphPlan", "analyze", "fx_mutated_inputs", "collective_ops", "is_ref",
+           "value_use", "VIEW_OPS"]
 
 InputKind = Literal["batched", "ref", "owned", "batch_int", "shape_int", "batch_like", "const"]
 
@@ -117,7 +118,7 @@ def _symbols(shape: Sequence[Any]) -> set[Any]:
     return out
 
 
-def _is_ref(t: torch.Tensor) -> bool:
+def is_ref(t: torch.Tensor) -> bool:
     return isinstance(t, torch.nn.Parameter) or static_address_type(t) is not None
 
 
@@ -220,7 +221,7 @@ class _Analysis:
         self.fakes = [n.meta.get("example_value", ex) for n, ex in zip(placeholders, example_inputs)]
         self.names = [n.name for n in placeholders]
         self.tensors = [i for i, ex in enumerate(example_inputs) if isinstance(ex, torch.Tensor)]
-        self.refs = {i for i in self.tensors if _is_ref(example_inputs[i])}
+        self.refs = {i for i in self.tensors if is_ref(example_inputs[i])}
         for i in self.tensors:
             if not isinstance(self.fakes[i], torch.Tensor):
                 self.fakes[i] = example_inputs[i]
@@ -391,7 +392,7 @@ def _outputs(gm: fx.GraphModule, batch_symbols: frozenset[Any], carriers: dict[A
 
 
 # ------------------------------------------------------------------ mutations
-_VIEW_OPS = frozenset({
+VIEW_OPS = frozenset({
     "view", "view_as", "reshape", "reshape_as", "narrow", "select", "transpose", "permute", "t", "T", "mT",
     "expand", "expand_as", "squeeze", "unsqueeze", "flatten", "unflatten", "unfold", "split", "chunk",
     "unbind", "as_strided", "detach", "getitem", "__getitem__", "diagonal", "movedim", "swapaxes",
@@ -419,7 +420,7 @@ def fx_mutated_inputs(gm: fx.GraphModule) -> frozenset[int]:
         name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
         if node.target is operator.setitem or name == "setitem":
             mutated.add(root)
-        elif name in _VIEW_OPS:
+        elif name in VIEW_OPS:
             base[node] = root
         elif (name.endswith("_") and not name.endswith("__")) or node.kwargs.get("inplace") is True \
                 or node.kwargs.get("out") is not None:

@@ -41,7 +41,8 @@ from .compiler import compile_graph
 from .options import BackendOptions
 from .plan import GraphPlan, analyze, fx_mutated_inputs
 
-__all__ = ["CompiledSubgraph", "SubgraphState", "live_subgraphs", "compile_counts"]
+__all__ = ["CompiledSubgraph", "SubgraphState", "live_subgraphs", "compile_counts", "register_subgraph",
+           "count_compile"]
 
 
 class SubgraphState(enum.Enum):
@@ -66,8 +67,15 @@ class CompiledSubgraph:
     reads them in place, so a replaced parameter means re-capture) and a lock.
     """
 
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], opts: BackendOptions) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], opts: BackendOptions, *,
+                 compiled: Callable[..., Any] | None = None, role: str = "whole") -> None:
+        """``compiled``: the function to serve instead of compiling ``gm`` (the piecewise backend's
+        split module, run as one full graph); ``role``: ``"whole"``, or ``"full"`` for a graph that
+        holds splitting ops (decode frames of a piecewise compile), shown in the backend's stats."""
         self.opts = opts
+        self.role = role
+        self.calls = 0  # counted by the backend's entry point
+        self._precompiled = compiled
         self.plan: GraphPlan = analyze(gm, example_inputs, batch_dim=opts.batch_dim)
         self._gm: torch.fx.GraphModule | None = gm
         self._lock = threading.RLock()
@@ -122,11 +130,14 @@ class CompiledSubgraph:
         assert gm is not None
         fx_mutated = fx_mutated_inputs(gm)
         t0 = time.perf_counter()
-        fn, self.compiler, failure = compile_graph(gm, args, self.opts, on_cpu=self.plan.devices == {"cpu"})
+        if self._precompiled is not None:
+            fn, self.compiler, failure = self._precompiled, "piecewise", ""
+        else:
+            fn, self.compiler, failure = compile_graph(gm, args, self.opts, on_cpu=self.plan.devices == {"cpu"})
         seconds = time.perf_counter() - t0
         self.compile_seconds += seconds
         _registry.count_compile(seconds)
-        mutated = aot_mutated_inputs(len(args)) if self.compiler != "eager" else None
+        mutated = aot_mutated_inputs(len(args)) if self.compiler in ("inductor", "aot_eager") else None
         if mutated is None:
             mutated = fx_mutated
         # called like dynamo calls a backend's function: with *args. (`_boxed_call` is no guide: AOT's
@@ -406,7 +417,7 @@ class _Registry:
         self.compiles = 0
         self.compile_seconds = 0.0
 
-    def add(self, sub: CompiledSubgraph) -> None:
+    def add(self, sub: Any) -> None:
         with self.lock:
             self.live.add(sub)
 
@@ -426,6 +437,16 @@ _registry = _Registry()
 def live_subgraphs() -> list[CompiledSubgraph]:
     """The live subgraphs (state, reason, buckets, captured graphs)."""
     return _registry.subgraphs()
+
+
+def register_subgraph(sub: Any) -> None:
+    """Track ``sub`` (weakly) among the live subgraphs the backend reports on."""
+    _registry.add(sub)
+
+
+def count_compile(seconds: float) -> None:
+    """Count one compilation that took ``seconds`` in the backend's process totals."""
+    _registry.count_compile(seconds)
 
 
 def compile_counts() -> tuple[int, float]:
