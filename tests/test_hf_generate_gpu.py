@@ -43,19 +43,34 @@ def _generate(model, ids, *, full_length=True, **kw):
                               cache_implementation="static", pad_token_id=0, **kw)
 
 
-def test_generate_on_the_backend_equals_eager_at_bucket_and_other_sizes(model):
+def _graphed_sizes():
     from hipgraph_bridge.compile import compiled_subgraphs
 
+    return {b for s in compiled_subgraphs() for b in s.captured_buckets}
+
+
+def test_generate_on_the_backend_equals_eager_at_bucket_and_other_sizes(model):
     torch._dynamo.reset()
-    gfxgraph.reset_stats()
-    before = sum(s.graph_count() for s in compiled_subgraphs())
     cc = compile_config(buckets=[1, 2, 4, 8])  # fp32: inductor's kernels keep greedy argmax where eager's is
     for b in (1, 4, 5, 3):  # 5 and 3 are not buckets: the step writes the cache, so they get exact graphs
         want = _generate(model, _prompt(b), disable_compile=True)
+        gfxgraph.reset_stats()
         got = _generate(model, _prompt(b), compile_config=cc)
         assert torch.equal(got, want), b
-    graphs = sum(s.graph_count() for s in compiled_subgraphs()) - before
-    assert graphs >= 4, (compiled_subgraphs(), gfxgraph.stats()["fallback_reasons"])
+        assert b in _graphed_sizes(), b
+        assert gfxgraph.stats()["replay_count"] >= NEW - 3, b  # the decode steps replay the captured graph
+    torch._dynamo.reset()
+
+
+@pytest.mark.xfail(strict=True, reason="generate() makes a new StaticCache when the batch size changes; its tensors "
+                   "are new static addresses, so the backend re-captures that size and drops the graphs of the "
+                   "others (one capture per switch of batch size)")
+def test_graphs_of_earlier_batch_sizes_survive_a_switch(model):
+    torch._dynamo.reset()
+    cc = compile_config(buckets=[1, 2, 4, 8])
+    for b in (2, 4, 2):
+        _generate(model, _prompt(b), compile_config=cc)
+    assert {2, 4} <= _graphed_sizes()
     torch._dynamo.reset()
 
 
