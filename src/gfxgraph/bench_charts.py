@@ -325,7 +325,7 @@ def hf_generate_charts(doc: dict[str, Any]) -> list[Chart]:
     first = tuple((label, key, float(res[mode]["bs1"]["first_call_s"])) for mode, label, key in modes
                   if isinstance(res.get(mode, {}).get("bs1", {}).get("first_call_s"), (int, float)))
     panels = (_line("greedy decode, 128 new tokens", "batch size", "ms per token", tuple(s for s in series if s.points)),
-              BarPanel("first call at batch 1 (compile and capture included)", "seconds", first))
+              BarPanel("first call, bs 1 (compile + capture)", "seconds", first))
     return [Chart("hf_generate", "transformers generate(): gfxgraph against reduce-overhead", _nonempty(panels),
                   "Left: ms per token against batch size (5 is not a bucket); right: the first call's seconds.")]
 
@@ -342,8 +342,8 @@ def call_overhead_charts(doc: dict[str, Any]) -> list[Chart]:
     decode_bars = tuple((k, keys.get(k.replace("hand-written graph", "hand-written loop"), "default"),
                          float(v["ms_per_token"])) for k, v in decode.items()
                         if isinstance(v, dict) and isinstance(v.get("ms_per_token"), (int, float)))
-    panels = (BarPanel("host time per call, batch 5 in bucket 8", "microseconds", call_bars, log=True),
-              BarPanel("decode with a host read per token, bs 1", "ms per token", decode_bars))
+    panels = (BarPanel("per call, bs 5 in bucket 8", "host microseconds", call_bars, log=True),
+              BarPanel("decode, host read per token, bs 1", "ms per token", decode_bars))
     return [Chart("call_overhead", "What a call costs the host", _nonempty(panels),
                   "Left: host time of one call of a 64x64 Linear per mode (log scale); right: a greedy decode "
                   "loop that reads every token on the host.", legend=False)]
