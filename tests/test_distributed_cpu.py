@@ -233,3 +233,18 @@ def test_growing_and_cutting_rows():
     assert grown[0].shape == (5, 2) and grown[0][3:].eq(-1).all() and torch.equal(grown[0][:3], x)
     out = slice_rows((grown[0] * 2, torch.zeros(7)), [True, False], 3, batch_dim=0)
     assert torch.equal(out[0], x * 2) and out[1].shape == (7,)
+
+
+def test_batch_max_refuses_a_stateful_model(one_rank):
+    with pytest.raises(ValueError, match="batch='max' and stateful=True"):
+        ShapeBucketPool(lambda x: x, [2, 4], stateful=True, process_group=RankAgreement(batch="max", timeout=5))
+
+
+def test_constant_keys_are_coded_by_value_alone():
+    from hipgraph_bridge.bucketing.ranks import key_code
+
+    assert key_code((3, "mode", None, torch.float16, (1.5, True))) == key_code((3, "mode", None, torch.float16,
+                                                                                (1.5, True)))
+    assert key_code((3,)) != key_code((4,))
+    with pytest.raises(ValueError, match="has no value that is the same in every process"):
+        key_code((lambda x: x,))

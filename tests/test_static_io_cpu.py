@@ -66,7 +66,23 @@ def test_capture_all_examples_count_as_real_rows():
     assert pool._inputs.dirty == 8
     y = torch.randn(3, 3)
     torch.testing.assert_close(pool(y), y + 1)
-    assert torch.equal(pool.static_inputs[0][3:4], torch.zeros(1, 3)) and pool._inputs.dirty == 8  # rows 4..8 left
+    # the fill reaches every row the examples left, beyond the bucket too: later calls find them clean
+    assert torch.equal(pool.static_inputs[0][3:8], torch.zeros(5, 3)) and pool._inputs.dirty == 3
+
+
+@cpu_only
+def test_a_model_that_writes_its_inputs_gets_its_padding_refilled_every_call():
+    def model(x):
+        out = x * x.sum(dim=0, keepdim=True)  # zero padding rows leave the sum alone; written ones do not
+        x.add_(1)  # writes its own input in place (the padding rows too)
+        return out
+
+    pool = ShapeBucketPool(model, [8], simulate_padding=True)
+    for _ in range(4):
+        x = torch.randn(5, 3)
+        want = model(x.clone())
+        torch.testing.assert_close(pool(x), want)
+    assert pool._inputs.mutated and not pool.row_coupled
 
 
 @cpu_only
@@ -134,6 +150,10 @@ def test_static_io_debug_mode_catches_stale_views_and_rebinding():
     with pytest.raises(StaleOutputError, match="a later pool call overwrote"):
         first.sum()
     assert type(second.sum()) is torch.Tensor  # results of ops on a guarded view are plain tensors
+    row = second[0]  # a view of the output: as stale as it after the next call
+    io.run()
+    with pytest.raises(StaleOutputError):
+        row.tolist()
     pool2 = ShapeBucketPool(lambda x, mask: x * mask, [4], simulate_padding=True)
     pool2(torch.ones(4, 2), mask=torch.ones(4, 2))
     io2 = pool2.static_io(4)

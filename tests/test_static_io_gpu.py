@@ -59,6 +59,37 @@ class _CountFills(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _count_calls(pool):
+    """The ordinary calls the pool makes from now on (a zero-copy run on the fast path makes none)."""
+    calls = []
+    inner = pool._call
+
+    def counting(*args, **kwargs):
+        calls.append(args[2])
+        return inner(*args, **kwargs)
+
+    pool._call = counting
+    return calls
+
+
+def test_static_io_takes_the_fast_path_after_capture_all_and_larger_calls():
+    pool = ShapeBucketPool(lambda x: x * 3, [4, 8, 16])
+    pool.capture_all(torch.randn(2, 5, device="cuda"))  # every row holds example data now
+    io = pool.static_io(5)
+    io.args[0].fill_(1.0)
+    io.run()  # fills rows 5.. once (its first padded call is also checked)
+    io.run()
+    calls = _count_calls(pool)
+    for _ in range(3):
+        assert torch.equal(io.run(), torch.full((5, 5), 3.0, device="cuda"))
+    assert calls == [], calls
+    pool(torch.randn(16, 5, device="cuda"))  # real rows in the padding again: the next run refills
+    calls.clear()
+    io.args[0].fill_(2.0)
+    assert torch.equal(io.run(), torch.full((5, 5), 6.0, device="cuda")) and calls == [5]
+    assert torch.equal(pool.static_inputs[0][5:8], torch.zeros(3, 5, device="cuda"))
+
+
 def test_padding_filled_only_after_a_larger_call_and_results_equal():
     pool = ShapeBucketPool(lambda x: torch.tanh(x) * 3, [16], pad_value=-2)
     pool(torch.randn(16, 8, device="cuda"))  # the capture (its allocations fill too): not counted
@@ -92,8 +123,9 @@ def test_static_io_stays_correct_when_other_calls_dirty_the_padding():
         io.args[0].copy_(x)
         torch.testing.assert_close(io.run(), x - x.sum(0, keepdim=True))
         io.args[0].copy_(x)
+        calls = _count_calls(pool)
         torch.testing.assert_close(io.run(), x - x.sum(0, keepdim=True))  # the fast path
-        assert io.fast is not None
+        assert io.fast is not None and calls == [], calls
         pool(torch.randn(8, 4, device="cuda"))  # real rows in the padding again: the next run refills
 
 

@@ -140,14 +140,17 @@ class StaticCacheDecoder:
                  pad_token_id: int | None = None) -> torch.Tensor:
         """Greedy tokens after the prompt, shape ``(batch, n)`` with ``n <= max_new_tokens``.
 
-        As ``generate(do_sample=False)`` does: a sequence that produced
+        Every row's prompt is ``n`` real tokens (no padding, no attention mask:
+        batch prompts of equal length; left-padded prompts would differ from
+        ``generate()``, which masks the padding). As ``generate(do_sample=False)`` does: a sequence that produced
         ``eos_token_id`` gets ``pad_token_id`` (default: the EOS id) from then on,
         and decoding stops when every sequence has ended. The host reads one
         flag per token for that (as transformers does); without an EOS id it reads nothing.
         """
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
-            raise ValueError(f"input_ids: expected a (batch, prompt) tensor of token ids (torch.long), got "
-                             f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
+            got = (f"shape {tuple(input_ids.shape)}, dtype {input_ids.dtype}" if isinstance(input_ids, torch.Tensor)
+                   else type(input_ids).__name__)
+            raise ValueError(f"input_ids: expected a (batch, prompt) tensor of token ids (torch.long), got {got}")
         b, n = input_ids.shape
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")

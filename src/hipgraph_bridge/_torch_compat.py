@@ -87,6 +87,7 @@ __all__ = [
     "generated_forward",
     "describe",
     "plain_torch_function",
+    "tensor_version",
 ]
 
 # Taken at first import, before gfxgraph.enable() can swap torch.cuda.CUDAGraph.
@@ -166,6 +167,11 @@ def non_owning_view(t: torch.Tensor) -> torch.Tensor:
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _get_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """``t``'s version counter (``Tensor._version``): in-place writes move it."""
+    return t._version
 
 
 def plain_torch_function() -> Any:
@@ -336,6 +342,8 @@ def collective_op_name(target: Any) -> str | None:
         return name if name.split(".")[0] in _COLLECTIVE_NAMESPACES else None
     module = getattr(target, "__module__", None) or ""
     return f"{module}.{getattr(target, '__name__', '?')}" if module.startswith("torch.distributed") else None
+
+
 # ------------------------------------------------------------------ torch ops by name
 def resolve_op(path: list[str]) -> Any:
     """``torch.ops.<ns>.<name>[.<overload>]`` for ``path == [ns, name(, overload)]``; None when absent."""

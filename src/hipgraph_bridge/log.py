@@ -65,16 +65,17 @@ class StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
         return sys.stderr
 
     def handle(self, record: logging.LogRecord) -> bool:
-        if _other_handlers(logging.getLogger(record.name), self):
+        if _other_handlers(logging.getLogger(record.name), self, record.levelno):
             return False
         return bool(super().handle(record))
 
 
-def _other_handlers(start: logging.Logger, mine: logging.Handler) -> bool:
-    """Whether a record logged on ``start`` reaches a handler other than ``mine`` (a NullHandler counts)."""
+def _other_handlers(start: logging.Logger, mine: logging.Handler, level: int = logging.NOTSET) -> bool:
+    """Whether a record of ``level`` logged on ``start`` reaches a handler other than ``mine`` whose own
+    level lets it through (a NullHandler counts)."""
     node: logging.Logger | None = start
     while node is not None:
-        if any(h is not mine for h in node.handlers):
+        if any(h is not mine and level >= h.level for h in node.handlers):
             return True
         if not node.propagate:
             return False

@@ -132,7 +132,7 @@ def part_call_overhead(rounds: int) -> tuple[dict[str, Any], list[dict[str, Any]
 
 # ----------------------------------------------------------------------------- part 2
 def build_llama(cfg: dict[str, Any]) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # optional: this suite alone needs transformers
 
     config = LlamaConfig(**cfg, torch_dtype=torch.bfloat16)
     config._attn_implementation = "sdpa"

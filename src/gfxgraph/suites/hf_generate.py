@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+import gfxgraph.hf
 from gfxgraph.suites._common import figure, parser, write
 from gfxgraph.suites.llm_decode import CONFIGS, build_model
 
@@ -38,8 +39,7 @@ def _timed(fn: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
 
 
 def run_mode(model: Any, mode: str, reps: int) -> dict[str, Any]:
-    import gfxgraph.hf
-    from transformers import CompileConfig
+    from transformers import CompileConfig  # optional: this suite needs transformers, the package does not
 
     torch.compiler.reset()
     decoder = gfxgraph.hf.StaticCacheDecoder(model, max_cache_len=PROMPT + NEW + 8) if mode == "decoder" else None

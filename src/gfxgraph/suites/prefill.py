@@ -53,6 +53,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from gfxgraph.suites._common import child_env, figure, parser, write
+from hipgraph_bridge import graph_pool_bytes
+from hipgraph_bridge.compile import backend_stats, compiled_subgraphs, register
+from hipgraph_bridge.validation import tolerance_for
 
 CONFIGS = {
     "llama-1.5b": dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=128256),
@@ -216,8 +219,6 @@ def steady_pass(fn: Any, reqs: list[Any]) -> tuple[list[float], list[torch.Tenso
 
 def max_diff(outs: list[torch.Tensor], ref: list[torch.Tensor]) -> tuple[float, bool]:
     """Largest |logit - eager| over the requests, and whether every request is within bf16 tolerance."""
-    from hipgraph_bridge.validation import tolerance_for
-
     tol = tolerance_for(torch.bfloat16)
     worst, ok = 0.0, True
     for a, b in zip(outs, ref):
@@ -228,8 +229,6 @@ def max_diff(outs: list[torch.Tensor], ref: list[torch.Tensor]) -> tuple[float, 
 
 def warm_compilers() -> None:
     """Pay inductor's process start-up before any timed compile, for every compile path alike."""
-    from hipgraph_bridge.compile import register
-
     register()
     x = torch.randn(4, 8, device=DEVICE)
     for kw in ({"mode": "default"}, {"mode": "reduce-overhead"}, {"backend": "gfxgraph"}):
@@ -246,8 +245,6 @@ def run_contender(model: Llama, mode: str, stream: list[Any], mixed: list[Any],
                   eager: dict[str, Any] | None, checkpoint: int) -> dict[str, Any]:
     """One contender: the first pass (timed whole), an untimed pass (graphs recorded on a shape's
     second call settle), the steady pass (timed per request); then the same for the mixed run."""
-    from hipgraph_bridge import graph_pool_bytes
-
     torch.compiler.reset()
     sync()
     pools_before = graph_pool_bytes()
@@ -273,8 +270,6 @@ def run_contender(model: Llama, mode: str, stream: list[Any], mixed: list[Any],
     else:
         res["stream_outs"], res["mixed_outs"] = outs, mixed_outs
     if mode in ("piecewise", "gfxgraph"):
-        from hipgraph_bridge.compile import backend_stats, compiled_subgraphs
-
         res["backend"] = backend_stats()
         res["subgraphs"] = [repr(s) for s in compiled_subgraphs()]
     del fn

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .._torch_compat import tensor_version
 from .buckets import BucketTable
 from .layout import BATCHED, STATIC, CallLayout
 
@@ -51,6 +52,7 @@ class StaticInputs:
         self.buffers = bufs  # per leaf: its static buffer, or None for constants
         # rows [0, dirty) of the batched buffers may hold real rows; every row beyond holds pad_value
         self.dirty = 0
+        self.mutated = False  # the model writes its own inputs: any row may change, so every padded call fills
         self._plans: dict[int, list[tuple[torch.Tensor, int, torch.Tensor | None]]] = {}
 
     def _plan(self, batch: int) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
@@ -69,20 +71,33 @@ class StaticInputs:
         return plan
 
     def stage(self, leaves: list[Any], batch: int) -> None:
-        """Copy a call's tensors in; fill its bucket's padding rows if real rows may be there."""
-        dirty = self.dirty
+        """Copy a call's tensors in; fill its bucket's padding rows if real rows may be there.
+
+        A padded call fills rows ``[batch, dirty)`` in one kernel per buffer
+        (beyond its bucket too, so later smaller calls find them clean).
+        """
+        dirty, bd = self.dirty, self.batch_dim
+        fill = dirty > batch and self.pad_value is not None
         for dst, i, pad in self._plan(batch):
             src = leaves[i]
             if src is not dst:
                 dst.copy_(src)
-            if pad is not None and dirty > batch and self.pad_value is not None:
-                pad.fill_(self.pad_value)
+            if fill and pad is not None:
+                self.buffers[i].narrow(bd, batch, dirty - batch).fill_(self.pad_value)
         self.note_written(batch)
 
     def note_written(self, batch: int) -> None:
         """Rows ``[0, batch)`` now hold a call's data and its bucket's padding holds ``pad_value``."""
-        if self.dirty <= self._table[batch]:
+        if self.mutated:
+            self.dirty = self._table.largest
+        elif batch == self._table[batch] and self.pad_value is not None:
+            self.dirty = max(self.dirty, batch)  # nothing was filled: rows beyond stay as they were
+        else:
             self.dirty = batch
+
+    def versions(self) -> tuple[int, ...]:
+        """The buffers' version counters: they move when the model writes its inputs in place."""
+        return tuple(tensor_version(b) for b in self.buffers if b is not None)
 
     def views(self, batch: int) -> list[Any]:
         """Per leaf, the buffer view a call of ``batch`` rows reads (None for constants).

@@ -78,7 +78,7 @@ class BucketCalls:
             return self._eager(args, kwargs)
         bucket = self._table[batch]
         if batch < bucket and self.stateful:
-            bucket = self._exact_bucket(batch)  # never padded: its own graph
+            bucket = batch  # never padded: a graph of exactly its rows (logged when it is captured)
         consts = inputs.layout.consts(leaves) if inputs.layout.has_consts else ()
         entry = self._entries.get((bucket, consts))
         if batch < bucket:
@@ -132,13 +132,6 @@ class BucketCalls:
         if QuickPlan.applies(layout):
             self._quick = QuickPlan(layout, leaves, self.batch_dim)
         return inputs
-
-    def _exact_bucket(self, batch: int) -> int:
-        """The bucket of a stateful model's batch that is no bucket: a graph of exactly ``batch`` rows."""
-        log_once(("exact_bucket", id(self), batch), logging.INFO,
-                 "gfxgraph: batch %d is not a bucket and the model is stateful (never padded): it gets a graph "
-                 "of exactly %d rows", batch, batch)
-        return batch
 
     def _oversize(self, batch: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.oversize == "error":
@@ -221,20 +214,32 @@ class BucketCalls:
         self._last_eager = warm
         return _EAGER
 
+    def _note_input_writes(self, before: tuple[int, ...]) -> None:
+        """The model wrote its own input buffers (in place) if their versions moved: from then on
+        no padding row is trusted to hold ``pad_value``, so every padded call fills."""
+        inputs = self._inputs
+        if inputs is not None and not inputs.mutated and inputs.versions() != before:
+            inputs.mutated = True
+            inputs.dirty = self._table.largest
+            logger.info("gfxgraph: the model writes its inputs in place: padding rows are refilled on every call")
+
     def _padded_eager(self, entry: Bucket, leaves: list[Any], batch: int, args: tuple[Any, ...],
                       kwargs: dict[str, Any], copy: bool) -> Any:
         """``simulate_padding`` without a GPU: the padded pipeline of a replay, the model run eagerly,
         with the GPU path's rules for a model that raises on the padded inputs and for unknown outputs."""
         assert self._inputs is not None
         a, k = self._inputs.bucket_args(entry.size, leaves)
+        versions = self._inputs.versions()
         try:
             with torch.no_grad():
                 outputs = self.model_fn(*a, **k)
         except Exception as exc:
+            self._note_input_writes(versions)
             if self._ranks is not None:  # agreed at the bucket's simulated capture; a later failure is the model's
                 raise
             entry.failed = f"bucket {entry.size}: {type(exc).__name__}: {exc}"
             return self._after_failed_padded_run(entry, (entry.size, entry.key), exc, args, kwargs)
+        self._note_input_writes(versions)
         layout = self._output_layout(entry, outputs, leaves)
         if batch < entry.size and not layout.known:
             stats.record_fallback("unknown_outputs", UNKNOWN_OUTPUTS)
@@ -262,7 +267,11 @@ class BucketCalls:
             self._entries[key] = entry
             return entry, Captured()  # runs the padded pipeline eagerly (see _padded_eager)
         assert self._inputs is not None
+        if bucket not in self._table.buckets:
+            log_once(("exact_bucket", id(self), bucket), logging.INFO, "gfxgraph: batch %d is not a bucket and the "
+                     "model is stateful (never padded): it gets a graph of exactly %d rows", bucket, bucket)
         a, k = self._inputs.bucket_args(bucket, leaves)
+        versions = self._inputs.versions()
         if ranks is None:
             captured = self._capturer.capture(lambda: self.model_fn(*a, **k), bucket, keep_warm=keep_warm,
                                               freeze_gc=freeze_gc)
@@ -270,6 +279,7 @@ class BucketCalls:
             captured = agreed_capture(ranks, self._capturer if self._graphs_available else None,
                                       lambda: self.model_fn(*a, **k), bucket, key, keep_warm=keep_warm,
                                       freeze_gc=freeze_gc, stateful=self.stateful)
+        self._note_input_writes(versions)
         entry.reason, entry.failed = captured.reason, captured.failed
         if captured.outputs is not None:
             self._output_layout(entry, captured.outputs, leaves)

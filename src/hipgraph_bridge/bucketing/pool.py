@@ -56,6 +56,7 @@ from tqdm.auto import tqdm
 
 from .. import config
 from ..config import check_vram_cap, read_vram_cap
+from ..errors import RankAgreementError
 from ..graph.capture import check_capture_mode, frozen_gc
 from ..log import logger
 from ..platform import probe
@@ -75,6 +76,15 @@ from .ranks import RankAgreement, RankSession, Round, as_agreement
 from .static_io import StaticIO, guard_outputs
 
 __all__ = ["ShapeBucketPool"]
+
+
+def _agreement(process_group: Any, *, stateful: bool) -> RankAgreement | None:
+    agreement = as_agreement(process_group)
+    if agreement is not None and agreement.batch == "max" and stateful:
+        raise ValueError("process_group with batch='max' and stateful=True: a stateful model is never padded, and "
+                         "'max' grows a rank's batch with padding rows; expected batch='equal' or 'trusted' for a "
+                         "stateful model")
+    return agreement
 
 
 class ShapeBucketPool(BucketCalls):
@@ -163,7 +173,7 @@ class ShapeBucketPool(BucketCalls):
         self.batched_outputs = check_batched_outputs(batched_outputs)
         self.stateful = stateful
         self.simulate_padding = simulate_padding
-        agreement: RankAgreement | None = as_agreement(process_group)
+        agreement = _agreement(process_group, stateful=stateful)
         self._ranks: RankSession | None = None if agreement is None else agreement.session("ShapeBucketPool")
         self._padding = PaddingGuard(stateful=stateful, ranks=self._ranks)
         self._classify = functools.partial(classify, batch_dim=batch_dim, static_args=self.static_args)
@@ -242,6 +252,13 @@ class ShapeBucketPool(BucketCalls):
                 ranks.leave(Round.BATCH, 0, exc)
             raise
         agreed, sizes = ranks.agree_batch(batch)
+        if sizes and min(sizes) < agreed and (self._padding.row_coupled or config.switches.validate):
+            # every rank sees the same sizes, so every rank raises here: a grown call is never compared with
+            # a rank's own rows, and with rows that interact (or every result checked) it could differ unreported
+            each = ", ".join(f"rank {r}: {n}" for r, n in enumerate(sizes))
+            raise RankAgreementError(f"batch='max' grows the smaller ranks' calls ({each}) to {agreed} rows, but "
+                                     "this model's rows interact (or validation mode is on), so a grown call "
+                                     "cannot be checked against eager; expected batch='equal' with one batch size")
         if not sizes or min(sizes) == agreed:
             return self._classified_call(args, kwargs, leaves, layout, batch)
         grown = pad_rows(layout, leaves, agreed, batch_dim=self.batch_dim, pad_value=self.pad_value)
@@ -322,7 +339,9 @@ class ShapeBucketPool(BucketCalls):
             if inputs.layout.has_consts:
                 raise ValueError(f"static_io(): expected tensor arguments only, got the layout "
                                  f"{inputs.layout.describe()}; non-tensor arguments need the ordinary call")
-            return StaticIO(self._run_io, inputs, batch_size, self._table[batch_size])
+            # a stateful model's non-bucket batch has a graph of its own size (never padded)
+            bucket = batch_size if self.stateful else self._table[batch_size]
+            return StaticIO(self._run_io, inputs, batch_size, bucket)
 
     def _run_io(self, io: StaticIO) -> Any:
         if self._ranks is not None:  # zero-copy views have fixed rows: every rank must run this size
@@ -330,9 +349,11 @@ class ShapeBucketPool(BucketCalls):
         fast, switches = io.fast, config.switches
         if fast is not None and not (switches.validate or switches.debug):
             with self._lock:
-                inputs = self._inputs
+                inputs, padded = self._inputs, fast[2]
                 # still this pool's buffers, the padding still clean, and padded calls still allowed
-                if inputs is io.inputs and inputs.dirty == io.batch_size and not (fast[2] and self._padding.row_coupled):
+                if inputs is io.inputs and not (padded and (inputs.dirty > io.batch_size or self._padding.row_coupled)):
+                    if inputs.dirty < io.batch_size:
+                        inputs.dirty = io.batch_size  # the caller wrote its rows
                     self._order.after_previous()
                     fast[0]()
                     return fast[1]

@@ -110,9 +110,27 @@ class Vote:
         return f"pool {self.pool} step {self.step} ({name} {self.value})"
 
 
+_PLAIN = (int, float, bool, str, bytes, type(None))
+
+
+def _stable(value: Any) -> str:
+    """A text for ``value`` that is the same in every process, or ``ValueError``: a default ``repr``
+    holds a memory address, which differs between processes."""
+    if isinstance(value, _PLAIN) or isinstance(value, (torch.dtype, torch.device)):
+        return repr(value)
+    if isinstance(value, (tuple, list, frozenset)):
+        items = sorted(map(_stable, value)) if isinstance(value, frozenset) else map(_stable, value)
+        return f"{type(value).__name__}({','.join(items)})"
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__qualname__}.{value.name}"
+    raise ValueError(f"a constant argument of type {type(value).__qualname__} under process_group: expected "
+                     "numbers, strings, None, enums, dtypes, devices or tuples of them (the ranks compare "
+                     "constant arguments by value, and this one has no value that is the same in every process)")
+
+
 def key_code(key: Hashable) -> int:
     """A code for a key of constant arguments that is the same in every process (``hash`` is salted)."""
-    return zlib.crc32(repr(key).encode("utf-8", "replace"))
+    return zlib.crc32(_stable(key).encode("utf-8", "replace"))
 
 
 def failures(votes: Sequence[Vote]) -> list[Vote]:

@@ -87,15 +87,31 @@ class _GuardedView(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        source = None
         for leaf in pytree.tree_leaves((args, kwargs or {})):
             epoch = getattr(leaf, "_gfx_epoch", None)
-            if epoch is not None and leaf._gfx_gen != epoch[0]:
+            if epoch is None:
+                continue
+            if leaf._gfx_gen != epoch[0]:
                 raise StaleOutputError(
                     f"{getattr(func, '__name__', func)} on a graph output view that a later pool call overwrote "
                     f"(this view came from call {leaf._gfx_gen}, the pool is at call {epoch[0]}); read or clone "
                     "outputs before the next call, or use copy_outputs=True")
+            source = leaf
         with plain_torch_function():
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            if source is None:
+                return out
+            memory = source.untyped_storage().data_ptr()
+            # a view of a guarded output (out[0], a slice, .view) is just as stale after the next call
+            return pytree.tree_map(lambda t: _alias(t, source) if isinstance(t, torch.Tensor)
+                                   and t.untyped_storage().data_ptr() == memory else t, out)
+
+
+def _alias(t: torch.Tensor, source: Any) -> torch.Tensor:
+    view = t.as_subclass(_GuardedView)
+    view._gfx_epoch, view._gfx_gen = source._gfx_epoch, source._gfx_gen
+    return view
 
 
 def guard_outputs(out: Any, epoch: list[int]) -> Any:
