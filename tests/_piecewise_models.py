@@ -7,10 +7,16 @@ no graph can show it).
 
 from __future__ import annotations
 
+import gc
+import weakref
+
+import pytest
 import torch
 import torch._dynamo
 import torch.nn.functional as F
 from torch import nn
+
+from hipgraph_bridge import compile as cb
 
 SEEN: list[tuple[int, ...]] = []  # the shapes the custom attention op was called with
 
@@ -128,3 +134,24 @@ class CachedAttention(nn.Module):
         mask = slots[None, :] <= pos[:, None]  # (S, max_len): each query sees the cache up to its position
         a = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask)
         return x + self.o(a.transpose(1, 2).reshape(b, s, d))
+
+
+# ------------------------------------------------------------------ the tests' dynamo hygiene
+BEFORE: weakref.WeakSet = weakref.WeakSet()  # subgraphs compiled before the running test
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test starts from a reset dynamo and sees only the subgraphs it compiled."""
+    torch._dynamo.reset()
+    gc.collect()
+    BEFORE.clear()
+    BEFORE.update(cb.compiled_subgraphs())
+    SEEN.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def frames() -> list:
+    """The piecewise frames the running test compiled."""
+    return [s for s in cb.compiled_subgraphs() if s not in BEFORE and isinstance(s, cb.PiecewiseSubgraph)]

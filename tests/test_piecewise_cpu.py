@@ -8,9 +8,7 @@ Most tests use ``compiler="aot_eager"`` (no C++ build).
 
 from __future__ import annotations
 
-import gc
 import math
-import weakref
 
 import pytest
 import torch
@@ -25,28 +23,10 @@ from hipgraph_bridge.compile.hazards import padding_hazard
 from hipgraph_bridge.compile.splitting import DEFAULT_SPLITTING_OPS, SplittingOps, parse_splitting_ops
 from hipgraph_bridge.errors import ConfigError
 
-from _piecewise_models import SEEN, CachedAttention, TinyLM
+from _piecewise_models import BEFORE, SEEN, CachedAttention, TinyLM, frames, fresh_dynamo  # noqa: F401 (autouse)
 
 register()  # also from a checkout that is not installed (no entry points)
 PIECEWISE = {"piecewise": True, "compiler": "aot_eager", "simulate_padding": True}
-_before: weakref.WeakSet = weakref.WeakSet()
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    gc.collect()
-    _before.clear()
-    _before.update(cb.compiled_subgraphs())
-    SEEN.clear()
-    yield
-    torch._dynamo.reset()
-
-
-def frames() -> list[PiecewiseSubgraph]:
-    return [s for s in cb.compiled_subgraphs() if s not in _before and isinstance(s, PiecewiseSubgraph)]
-
-
 def inputs(n: int, *, batch: int = 1, vocab: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.randint(0, vocab, (batch, n), generator=torch.Generator().manual_seed(n))
     return ids, torch.arange(n).expand(batch, n)
@@ -155,7 +135,7 @@ def test_decode_frames_take_the_full_graph():
             ids, pos = inputs(1, batch=b)
             pos = pos.contiguous()  # the whole-graph path graphs contiguous batched inputs only
             torch.testing.assert_close(c(ids, pos), m(ids, pos))
-    full = [s for s in cb.compiled_subgraphs() if s not in _before and getattr(s, "role", "") == "full"]
+    full = [s for s in cb.compiled_subgraphs() if s not in BEFORE and getattr(s, "role", "") == "full"]
     assert any(s.plan.static and s.buckets == [1] for s in full), full  # the frame dynamo made for 1 token
     assert any(s.plan.batch_symbol is not None and s.state is SubgraphState.GRAPHED for s in full), full
     assert len(frames()) == 1  # only the prefill frame is piecewise
@@ -196,7 +176,7 @@ def test_training_is_not_split():
         ids, pos = inputs(n)
         c(ids, pos).square().mean().backward()
     assert not frames()
-    assert any(s.reason == "training" for s in cb.compiled_subgraphs() if s not in _before)
+    assert any(s.reason == "training" for s in cb.compiled_subgraphs() if s not in BEFORE)
 
 
 def test_graphs_off():

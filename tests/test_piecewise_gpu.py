@@ -3,8 +3,6 @@ lengths, piece graphs replayed from one pool, decode through the full graph, a s
 
 from __future__ import annotations
 
-import gc
-import weakref
 
 import pytest
 import torch
@@ -12,32 +10,14 @@ import torch._dynamo
 
 import gfxgraph
 from hipgraph_bridge import compile as cb
-from hipgraph_bridge.compile import PiecewiseSubgraph, SubgraphState, backend_stats
+from hipgraph_bridge.compile import SubgraphState, backend_stats
 
-from _piecewise_models import SEEN, CachedAttention, TinyLM
+from _piecewise_models import BEFORE, SEEN, CachedAttention, TinyLM, frames, fresh_dynamo  # noqa: F401 (autouse)
 
 pytestmark = pytest.mark.gpu
 cb.register()  # also when the tests run from a checkout that is not installed (no entry points)
 TOL = {torch.float32: dict(rtol=2e-3, atol=2e-3), torch.bfloat16: dict(rtol=5e-2, atol=1e-1)}
 LENGTHS = [5, 37, 2, 100, 64, 129, 17, 255, 3, 500, 64, 8, 300, 31, 512, 77]
-
-_before: weakref.WeakSet = weakref.WeakSet()
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    gc.collect()
-    _before.clear()
-    _before.update(cb.compiled_subgraphs())
-    SEEN.clear()
-    yield
-    torch._dynamo.reset()
-
-
-def frames() -> list[PiecewiseSubgraph]:
-    return [s for s in cb.compiled_subgraphs() if s not in _before and isinstance(s, PiecewiseSubgraph)]
-
 
 def model(dtype: torch.dtype, **kw) -> TinyLM:
     return TinyLM(d=256, heads=4, layers=3, vocab=512, **kw).cuda().to(dtype).eval()
@@ -119,7 +99,7 @@ def test_decode_takes_the_full_graph():
     m = model(torch.bfloat16)
     c = torch.compile(m, backend="gfxgraph", options={"piecewise": True})
     run(c, m, [9, 33, 1, 1, 1, 1, 70, 1], torch.bfloat16)
-    full = [s for s in cb.compiled_subgraphs() if s not in _before and getattr(s, "role", "") == "full"
+    full = [s for s in cb.compiled_subgraphs() if s not in BEFORE and getattr(s, "role", "") == "full"
             and s.state is SubgraphState.GRAPHED]  # the frame dynamo compiled for one token
     assert len(full) == 1 and full[0].plan.static and full[0].captured_buckets == [1], full
     stats = backend_stats()["piecewise"]

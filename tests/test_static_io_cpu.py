@@ -12,7 +12,8 @@ import torch
 
 import gfxgraph
 from hipgraph_bridge import ShapeBucketPool, StaleOutputError
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from _fill_counter import CountFills
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the simulated pipeline is the CPU path")
 
@@ -33,25 +34,12 @@ def _calls(model):
     return fn, seen
 
 
-class _CountFills(TorchDispatchMode):
-    """Counts the fill kernels a call launches (the padding fill is the only one in these models)."""
-
-    def __init__(self):
-        super().__init__()
-        self.fills = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket is torch.ops.aten.fill_:
-            self.fills += 1
-        return func(*args, **(kwargs or {}))
-
-
 @cpu_only
 def test_padding_is_filled_only_after_a_larger_call_left_rows_there():
     pool = ShapeBucketPool(lambda x: x * 2, [8], pad_value=-1, simulate_padding=True)
     for n, fills in ((3, 0), (3, 0), (8, 0), (3, 1), (3, 0), (5, 0), (2, 1)):
         x = torch.randn(n, 4)
-        with _CountFills() as counter:
+        with CountFills() as counter:
             torch.testing.assert_close(pool(x), x * 2)
         buf = pool.static_inputs[0]
         assert counter.fills == fills, (n, counter.fills)

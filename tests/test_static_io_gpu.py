@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import gfxgraph
 from gfxgraph import ShapeBucketPool, StaleOutputError
+
+from _fill_counter import CountFills
 
 pytestmark = pytest.mark.gpu
 
@@ -48,17 +49,6 @@ def test_static_io_replays_the_bucket_without_running_the_model():
     assert gfxgraph.stats()["fallback_count"] == 0
 
 
-class _CountFills(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.fills = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket is torch.ops.aten.fill_:
-            self.fills += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _count_calls(pool):
     """The ordinary calls the pool makes from now on (a zero-copy run on the fast path makes none)."""
     calls = []
@@ -95,7 +85,7 @@ def test_padding_filled_only_after_a_larger_call_and_results_equal():
     pool(torch.randn(16, 8, device="cuda"))  # the capture (its allocations fill too): not counted
     for n, fills in ((5, 1), (5, 0), (16, 0), (9, 1), (9, 0), (2, 1), (2, 0)):
         x = torch.randn(n, 8, device="cuda")
-        with _CountFills() as counter:
+        with CountFills() as counter:
             torch.testing.assert_close(pool(x), torch.tanh(x) * 3)
         assert counter.fills == fills, (n, counter.fills)
         assert torch.equal(pool.static_inputs[0][n:], torch.full((16 - n, 8), -2.0, device="cuda"))

@@ -60,11 +60,12 @@ def compile_config(*, dynamic: bool | None = None, fullgraph: bool = False, **op
 
 @dataclass
 class _Slot:
-    """What one batch size owns: its cache, the graphed step over it, the step's zero-copy inputs."""
+    """What one batch size owns: its cache, the step over it, and (with graphs) the step's zero-copy inputs."""
 
     cache: Any
+    step: Any
     pool: ShapeBucketPool
-    io: Any
+    io: Any  # a StaticIO, or None without graphs
     capture_seconds: float
 
 
@@ -133,7 +134,7 @@ class StaticCacheDecoder:
                 pool.close()
             seconds = time.perf_counter() - t0
         io = pool.static_io(batch) if self.graphs else None
-        slot = self._slots[batch] = _Slot(cache, pool, io if self.graphs else step, seconds)
+        slot = self._slots[batch] = _Slot(cache, step, pool, io, seconds)
         return slot
 
     def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token_id: int | None = None,
@@ -182,10 +183,10 @@ class StaticCacheDecoder:
 
     def _step(self, slot: _Slot, tok: torch.Tensor, pos: int) -> torch.Tensor:
         """The next greedy token after ``tok`` at position ``pos``: the graph, written into zero-copy."""
-        if not self.graphs:
+        if slot.io is None:
             b = tok.shape[0]
-            return slot.io(tok.view(b, 1), torch.full((b, 1), pos, dtype=torch.long, device=tok.device),
-                           torch.full((1,), pos, dtype=torch.long, device=tok.device))
+            return slot.step(tok.view(b, 1), torch.full((b, 1), pos, dtype=torch.long, device=tok.device),
+                             torch.full((1,), pos, dtype=torch.long, device=tok.device))
         ids, position_ids, cache_position = slot.io.args
         ids.copy_(tok.view(-1, 1))
         position_ids.fill_(pos)

@@ -36,10 +36,13 @@ def validate_buckets(buckets: Iterable[int]) -> list[int]:
 class BucketTable:
     """The smallest bucket >= a batch size, by table lookup (one list index per call)."""
 
-    def __init__(self, buckets: list[int]) -> None:
+    def __init__(self, buckets: list[int], *, exact: bool = False) -> None:
+        """``exact``: every size up to the largest bucket is its own bucket (a model that is never padded)."""
         self.buckets = buckets
         self.largest = buckets[-1]
-        self._table = [0] * (self.largest + 1)
+        self._table = list(range(self.largest + 1))
+        if exact:
+            return
         j = 0
         for n in range(1, self.largest + 1):
             while buckets[j] < n:

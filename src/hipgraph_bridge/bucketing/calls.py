@@ -76,9 +76,7 @@ class BucketCalls:
         if not self._graphs_available and not self.simulate_padding:
             stats.record_fallback("no_gpu", probe().reason or "")
             return self._eager(args, kwargs)
-        bucket = self._table[batch]
-        if batch < bucket and self.stateful:
-            bucket = batch  # never padded: a graph of exactly its rows (logged when it is captured)
+        bucket = self._table[batch]  # a stateful pool's table is exact: never padded (see the pool)
         consts = inputs.layout.consts(leaves) if inputs.layout.has_consts else ()
         entry = self._entries.get((bucket, consts))
         if batch < bucket:

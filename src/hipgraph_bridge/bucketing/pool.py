@@ -177,7 +177,8 @@ class ShapeBucketPool(BucketCalls):
         self._ranks: RankSession | None = None if agreement is None else agreement.session("ShapeBucketPool")
         self._padding = PaddingGuard(stateful=stateful, ranks=self._ranks)
         self._classify = functools.partial(classify, batch_dim=batch_dim, static_args=self.static_args)
-        self._table = BucketTable(self.buckets)
+        # a stateful model is never padded: a batch that is not a bucket gets a graph of exactly its rows
+        self._table = BucketTable(self.buckets, exact=stateful)
         self.vram_cap = read_vram_cap() if vram_cap is None else check_vram_cap(vram_cap)
         self.capture_error_mode = check_capture_mode(capture_error_mode)
         self.generators = tuple(generators)
@@ -339,9 +340,7 @@ class ShapeBucketPool(BucketCalls):
             if inputs.layout.has_consts:
                 raise ValueError(f"static_io(): expected tensor arguments only, got the layout "
                                  f"{inputs.layout.describe()}; non-tensor arguments need the ordinary call")
-            # a stateful model's non-bucket batch has a graph of its own size (never padded)
-            bucket = batch_size if self.stateful else self._table[batch_size]
-            return StaticIO(self._run_io, inputs, batch_size, bucket)
+            return StaticIO(self._run_io, inputs, batch_size, self._table[batch_size])
 
     def _run_io(self, io: StaticIO) -> Any:
         if self._ranks is not None:  # zero-copy views have fixed rows: every rank must run this size
