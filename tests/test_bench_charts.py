@@ -183,3 +183,12 @@ def test_render_without_matplotlib_still_writes_tables(tmp_path: Path, monkeypat
     assert render_results(str(RESULTS), str(tmp_path)) == 0
     assert not list(tmp_path.glob("*.png"))
     assert "![" not in (tmp_path / "llm_decode.md").read_text()
+
+
+def test_device_generate_one_bar_panel_per_model_and_batch():
+    r = {"eager": {"tokens_per_s": 100.0}, "pool": {"tokens_per_s": 300.0}, "device K=16": {"tokens_per_s": 350.0},
+         "eos_token_id": 7}
+    (chart,) = charts({"benchmark": "device_generate", "results": {"llama-small bs1": r, "llama-small bs4": r}})
+    assert [p.title for p in chart.panels] == ["llama-small, bs 1", "llama-small, bs 4"]
+    assert chart.panels[0].bars == (("eager", "eager", 100.0), ("pool", "pool", 300.0),
+                                    ("device K=16", "device", 350.0))

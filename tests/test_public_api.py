@@ -16,7 +16,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 GFXGRAPH_NAMES = """
 enable disable is_enabled stats reset_stats health_check BridgedCUDAGraph ShapeBucketPool default_buckets
-gfxgraph_backend BackendOptions backend_stats compiled_subgraphs ConditionalGraph DeviceWhileLoop LoopCondition
+gfxgraph_backend BackendOptions backend_stats compiled_subgraphs ConditionalGraph DeviceWhileLoop DeviceDecodeLoop LoopCondition
 conditional_select GraphCompositor LaunchPipeline UpdatableGraph SwapResult UpdateResult GraphState ConfigError
 GraphCaptureError GraphRuntimeError GraphsUnavailableError StaleOutputError __version__
 """.split()
@@ -24,7 +24,7 @@ GraphCaptureError GraphRuntimeError GraphsUnavailableError StaleOutputError __ve
 HIPGRAPH_BRIDGE_NAMES = """
 BridgedCUDAGraph OriginalCUDAGraph GraphState ConfigError GraphCaptureError GraphRuntimeError
 GraphsUnavailableError ShapeBucketPool default_buckets gfxgraph_backend BackendOptions backend_stats
-compiled_subgraphs ConditionalGraph ConditionalState DeviceWhileLoop LoopCondition ConditionalSupport
+compiled_subgraphs ConditionalGraph ConditionalState DeviceWhileLoop DeviceDecodeLoop LoopCondition ConditionalSupport
 conditional_support conditional_select GraphCompositor CompositorState SwapResult StageCapture validate_dag
 LaunchPipeline UpdatableGraph UpdateResult apply_update current_runtime get_runtime validate_buckets Platform
 probe health_check graph_pool_bytes outputs_match tolerance_for __version__ SafeCUDAGraph GraphCapture

@@ -27,6 +27,7 @@ MODE_LABELS = {
     "reduce-overhead": 'compile(mode="reduce-overhead")',
     "default": 'compile(mode="default")',
     "floor": "weight-streaming floor",
+    "device": "gfxgraph DeviceDecodeLoop (EOS on the device)",
 }
 
 # Peak HBM bandwidth (bytes/s, vendor data sheets), longest name first so "H100 PCIe" wins over "H100".
@@ -349,6 +350,18 @@ def call_overhead_charts(doc: dict[str, Any]) -> list[Chart]:
                   "loop that reads every token on the host.", legend=False)]
 
 
+def device_generate_charts(doc: dict[str, Any]) -> list[Chart]:
+    keys = {"eager": "eager", "hand-written graph": "hand", "pool": "pool"}
+    panels = []
+    for case, r in doc.get("results", {}).items():
+        bars = tuple((k, keys.get(k, "device"), float(v["tokens_per_s"])) for k, v in r.items()
+                     if isinstance(v, dict) and isinstance(v.get("tokens_per_s"), (int, float)))
+        panels.append(BarPanel(case.replace(" bs", ", bs "), "tokens per second", bars))
+    return [Chart("device_generate", "Greedy generation, EOS checked every token", _nonempty(tuple(panels)),
+                  "Tokens/s of 256 new tokens: per-token loops (one host read per token) against the device "
+                  "loop (one launch and one read per K tokens).", legend=False)]
+
+
 def _nonempty(panels: tuple) -> tuple:
     return tuple(p for p in panels if (p.series if isinstance(p, LinePanel) else p.bars))
 
@@ -362,6 +375,7 @@ SUITE_CHARTS: dict[str, Callable[[dict[str, Any]], list[Chart]]] = {
     "tier2": tier2_charts,
     "hf_generate": hf_generate_charts,
     "call_overhead": call_overhead_charts,
+    "device_generate": device_generate_charts,
     "reliability": lambda doc: [],  # its table is the result; a chart of all-green bars says nothing more
 }
 

@@ -19,7 +19,10 @@ Two ways, both for a causal LM with a static KV cache (transformers >= 4.46):
   advances it on every run, whatever ``cache_position`` says, so a capture ahead
   of time leaves the cache one step on; :meth:`StaticCacheDecoder.generate`
   resets the cache and runs the prefill before every generation, so no
-  warm-up or capture run ever leaks into one.
+  warm-up or capture run ever leaks into one. With ``device_loop=K`` the decode
+  loop itself runs on the device: one graph launch decodes up to K tokens and
+  stops at EOS there (a CUDA WHILE node; the host reads once per launch, not
+  once per token; see :class:`~hipgraph_bridge.generation.DeviceDecodeLoop`).
 
 transformers is imported only when these are used (it is not a dependency of gfxgraph).
 """
@@ -35,6 +38,8 @@ import torch
 from hipgraph_bridge import ShapeBucketPool
 from hipgraph_bridge.compile import BackendOptions
 from hipgraph_bridge.compile.backend import register
+from hipgraph_bridge.conditional.loop import LOOP_STRATEGIES
+from hipgraph_bridge.generation import DeviceDecodeLoop
 
 __all__ = ["compile_config", "StaticCacheDecoder"]
 
@@ -60,13 +65,15 @@ def compile_config(*, dynamic: bool | None = None, fullgraph: bool = False, **op
 
 @dataclass
 class _Slot:
-    """What one batch size owns: its cache, the step over it, and (with graphs) the step's zero-copy inputs."""
+    """What one batch size owns: its cache, the step over it, and (with graphs) the step's zero-copy inputs
+    or (with ``device_loop``) the decode loop over it."""
 
     cache: Any
     step: Any
-    pool: ShapeBucketPool
+    pool: ShapeBucketPool | None
     io: Any  # a StaticIO, or None without graphs
     capture_seconds: float
+    loop: DeviceDecodeLoop | None = None
 
 
 class StaticCacheDecoder:
@@ -77,15 +84,29 @@ class StaticCacheDecoder:
             cache_position=..., past_key_values=cache)`` returning ``.logits``).
         max_cache_len: the cache length; a generation's prompt plus new tokens must fit.
         graphs: False runs the same decode loop eagerly (the reference the tests compare with).
+        device_loop: decode up to this many tokens per graph launch, EOS checked on the
+            device (None: one graph replay and one host read per token).
+        strategy: the device loop's strategy: ``"auto"``, ``"native"`` (CUDA WHILE nodes)
+            or ``"host"`` (what HIP runs: one replay and one host read per token).
 
     One ``StaticCache`` and one graph per batch size, made on first use (or by
     :meth:`capture`); memory is the cache plus one pool of graph memory per
     batch size. The decoder is not thread-safe: one generation at a time.
     """
 
-    def __init__(self, model: Any, *, max_cache_len: int, graphs: bool = True) -> None:
+    def __init__(self, model: Any, *, max_cache_len: int, graphs: bool = True, device_loop: int | None = None,
+                 strategy: str = "auto") -> None:
         if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 2:
             raise ValueError(f"max_cache_len: expected an int >= 2, got {max_cache_len!r}")
+        if device_loop is not None:
+            if isinstance(device_loop, bool) or not isinstance(device_loop, int) or device_loop < 1:
+                raise ValueError(f"device_loop: expected None or an int >= 1 (tokens per launch), got {device_loop!r}")
+            if not graphs:
+                raise ValueError("device_loop: expected graphs=True (the device loop is a captured graph)")
+        if strategy not in LOOP_STRATEGIES:
+            raise ValueError(f"strategy: expected one of {', '.join(LOOP_STRATEGIES)}, got {strategy!r}")
+        self.device_loop = device_loop
+        self.strategy = strategy
         self.model = model
         self.max_cache_len = max_cache_len
         self.graphs = graphs
@@ -124,6 +145,9 @@ class StaticCacheDecoder:
         with torch.no_grad():  # the cache's tensors exist after a first write: a prefill of one token
             model(input_ids=torch.zeros(batch, 1, dtype=torch.long, device=dev),
                   cache_position=torch.zeros(1, dtype=torch.long, device=dev), past_key_values=cache, use_cache=True)
+            if self.device_loop is not None:
+                slot = self._slots[batch] = self._loop_slot(batch, cache)
+                return slot
             pool = ShapeBucketPool(step, [batch], static_args=[2], stateful=True, copy_outputs=False, progress=False)
             t0 = time.perf_counter()
             example = (torch.zeros(batch, 1, dtype=torch.long, device=dev),
@@ -137,6 +161,21 @@ class StaticCacheDecoder:
         slot = self._slots[batch] = _Slot(cache, step, pool, io, seconds)
         return slot
 
+    def _loop_slot(self, batch: int, cache: Any) -> _Slot:
+        model = self.model
+
+        def step(tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+            logits = model(input_ids=tokens.view(batch, 1), position_ids=position.view(1, 1).expand(batch, 1),
+                           cache_position=position.view(1), past_key_values=cache, use_cache=True).logits
+            return logits[:, -1, :].argmax(dim=-1)
+
+        assert self.device_loop is not None
+        loop = DeviceDecodeLoop(step, batch_size=batch, chunk=self.device_loop, device=self.device,
+                                strategy=self.strategy)
+        t0 = time.perf_counter()
+        loop.capture()  # runs the step: generate() resets the cache
+        return _Slot(cache, step, None, None, time.perf_counter() - t0, loop)
+
     def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token_id: int | None = None,
                  pad_token_id: int | None = None) -> torch.Tensor:
         """Greedy tokens after the prompt, shape ``(batch, n)`` with ``n <= max_new_tokens``.
@@ -147,6 +186,8 @@ class StaticCacheDecoder:
         ``eos_token_id`` gets ``pad_token_id`` (default: the EOS id) from then on,
         and decoding stops when every sequence has ended. The host reads one
         flag per token for that (as transformers does); without an EOS id it reads nothing.
+        With ``device_loop=K`` the EOS check is on the device and the host reads
+        three numbers per launch of up to K tokens.
         """
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
             got = (f"shape {tuple(input_ids.shape)}, dtype {input_ids.dtype}" if isinstance(input_ids, torch.Tensor)
@@ -169,8 +210,14 @@ class StaticCacheDecoder:
         logits = self.model(input_ids=input_ids, cache_position=torch.arange(n, device=input_ids.device),
                             past_key_values=slot.cache, use_cache=True).logits
         tok = logits[:, -1, :].argmax(dim=-1)
-        out = torch.empty(b, new, dtype=torch.long, device=input_ids.device)
         unfinished = torch.ones(b, dtype=torch.bool, device=input_ids.device)
+        if slot.loop is not None:  # the prefill's token on the host side, the rest in launches of the loop
+            if eos is not None:
+                unfinished &= tok != eos
+            rest = slot.loop.generate(tok, n, max_new_tokens=new - 1, eos_token_id=eos, pad_token_id=pad,
+                                      unfinished=unfinished)
+            return torch.cat([tok.view(b, 1), rest], dim=1)
+        out = torch.empty(b, new, dtype=torch.long, device=input_ids.device)
         for i in range(new):
             if eos is not None:
                 tok = torch.where(unfinished, tok, pad)

@@ -3,7 +3,7 @@
 Use :mod:`gfxgraph` for the public API (``gfxgraph.enable()``); import from
 here to use the classes without the patch. Layers, bottom up (each imports
 only those below it): ``runtime`` <- ``graph`` <- ``bucketing``,
-``conditional``, ``compose`` <- ``compile`` <- ``compat``; see docs/ARCHITECTURE.md.
+``conditional``, ``compose`` <- ``generation``, ``compile`` <- ``compat``; see docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from .conditional import (
     conditional_select,
     conditional_support,
 )
+from .generation import DeviceDecodeLoop
 from .errors import (
     ConfigError,
     GraphCaptureError,
@@ -71,6 +72,7 @@ __all__ = [
     "ConditionalState",
     "DeviceWhileLoop",
     "LoopCondition",
+    "DeviceDecodeLoop",
     "ConditionalSupport",
     "conditional_support",
     "conditional_select",

@@ -1,0 +1,210 @@
+"""DeviceDecodeLoop: greedy decoding where one graph launch runs up to ``chunk`` steps.
+
+A host-driven decode loop pays, per token, a device-to-host read (the EOS
+check), the Python step and a launch while the GPU waits. Here the loop
+itself is on the device: a :class:`~hipgraph_bridge.conditional.DeviceWhileLoop`
+whose body runs the decode step, writes the token into a device buffer,
+advances the position, marks the sequences that produced EOS, and stops when
+every sequence has ended or the launch's share of the budget is spent::
+
+    def step(tokens, position):         # (B,) long, 0-dim long -> (B,) long, all on the device
+        return model_logits(tokens, position).argmax(-1)
+
+    loop = DeviceDecodeLoop(step, batch_size=4, chunk=64)
+    new = loop.generate(first, prompt_len, max_new_tokens=256, eos_token_id=2)   # (4, n <= 256)
+    for chunk in loop.chunks(first, prompt_len, max_new_tokens=256, eos_token_id=2):
+        ...                             # streaming: one (4, <= 64) tensor per launch
+
+Per launch the host writes a few scalars, replays once and reads one
+three-element control tensor (how many steps ran, whether any sequence is
+still going): ``ceil(max_new_tokens / chunk)`` reads per generation at most,
+instead of one per token.
+
+Semantics are those of ``generate(do_sample=False)``: a sequence that produced
+``eos_token_id`` gets ``pad_token_id`` from then on; decoding stops when every
+sequence has ended. The step must be deterministic and free of host syncs
+(it is captured), write any state it keeps (a static KV cache) in place, and
+keep its own write position right: a capture or warm-up runs the step, so a
+step over a KV cache needs the cache reset after :meth:`capture`.
+
+Strategies are the loop's (:attr:`strategy`): ``"native"`` (a CUDA WHILE
+node: one launch per chunk, no host sync inside it), ``"host"`` (HIP, which
+has no conditional nodes; forcible on CUDA: the step is one graph replayed
+with one host read per token) and ``"eager"`` (no GPU graphs).
+
+Sampling is not offered: PyTorch's generators advance their offsets once per
+graph replay, not per iteration of a WHILE body, so every step of a launch
+would draw the same random numbers (see :mod:`hipgraph_bridge.conditional.native_nodes`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from ..checks import check_int
+from ..conditional import DeviceWhileLoop, LoopCondition
+from ..conditional.loop import LOOP_STRATEGIES
+from ..tree import describe
+
+__all__ = ["DeviceDecodeLoop"]
+
+_COL, _LIMIT, _ALIVE = 0, 1, 2  # the control tensor: steps run this launch, steps allowed, any sequence going
+_STATE = ("tokens", "position", "out", "control", "unfinished", "go")
+
+
+class DeviceDecodeLoop:
+    """Greedy decoding of ``batch_size`` sequences, ``chunk`` steps per graph launch; see the module docstring.
+
+    Args:
+        step: ``step(tokens, position) -> next_tokens``: ``tokens`` a ``(batch_size,)`` long
+            tensor (the last token of each sequence), ``position`` a 0-dim long tensor (its
+            position, the same for every sequence); returns ``(batch_size,)`` integer token ids.
+        batch_size: the number of sequences (fixed: the loop's buffers are static).
+        chunk: the most steps one launch runs (the cap of the WHILE loop).
+        device: where the step's tensors live (default: the current CUDA device, else CPU).
+        strategy: ``"auto"``, ``"native"`` or ``"host"`` (see :class:`DeviceWhileLoop`).
+        warmup_iters: eager runs of the step before capture.
+
+    Memory: the buffers are ``batch_size * (chunk + 2)`` longs and a few scalars; the
+    step's own allocations live in the loop graph's pool for its lifetime. Not
+    thread-safe across generations: calls are serialised by a lock.
+    """
+
+    def __init__(self, step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *, batch_size: int,
+                 chunk: int = 64, device: torch.device | str | None = None, strategy: str = "auto", warmup_iters: int = 1) -> None:
+        if not callable(step):
+            raise TypeError(f"step: expected a callable (tokens, position) -> next tokens, got {type(step).__name__}")
+        check_int("batch_size", batch_size, minimum=1)
+        check_int("chunk", chunk, minimum=1)
+        if strategy not in LOOP_STRATEGIES:
+            raise ValueError(f"strategy: expected one of {', '.join(LOOP_STRATEGIES)}, got {strategy!r}")
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        dev = torch.device(device)
+        self.step = step
+        self.batch_size = batch_size
+        self.chunk = chunk
+        self.launches = 0  # graph launches (host strategy: launches of the loop, one replay per step)
+        long = dict(dtype=torch.long, device=dev)
+        self._eos = torch.zeros((), **long)  # set per generation; -1 (no token matches) without an EOS id
+        self._pad = torch.zeros((), **long)
+        state = (torch.zeros(batch_size, **long), torch.zeros((), **long), torch.zeros(batch_size, chunk, **long),
+                 torch.tensor([0, chunk, 1], **long), torch.ones(batch_size, dtype=torch.bool, device=dev),
+                 torch.ones((), dtype=torch.bool, device=dev))
+        self._loop = DeviceWhileLoop(LoopCondition(_STATE.index("go"), "nonzero"), self._body, state,
+                                     max_iters=chunk, strategy=strategy, copy_outputs=False,  # type: ignore[arg-type]
+                                     warmup_iters=warmup_iters)
+        self._lock = threading.Lock()
+
+    @property
+    def strategy(self) -> str:
+        """The loop's strategy: ``native``, ``host``, ``eager``, or ``pending`` before the capture."""
+        return self._loop.strategy
+
+    @property
+    def strategy_reason(self) -> str:
+        return self._loop.strategy_reason
+
+    def _body(self, tokens: torch.Tensor, position: torch.Tensor, out: torch.Tensor, control: torch.Tensor,
+              unfinished: torch.Tensor, go: torch.Tensor) -> None:
+        nxt = self.step(tokens, position)
+        if not isinstance(nxt, torch.Tensor) or nxt.numel() != self.batch_size or nxt.is_floating_point():
+            raise TypeError(f"step: expected {self.batch_size} integer token ids, got {describe(nxt)}")
+        nxt = torch.where(unfinished, nxt.reshape(self.batch_size).long(), self._pad)
+        unfinished.logical_and_(nxt != self._eos)
+        col = control[_COL:_COL + 1]
+        out.index_copy_(1, col, nxt.view(self.batch_size, 1))  # column chosen on the device: no host read
+        tokens.copy_(nxt)
+        position.add_(1)
+        col.add_(1)
+        control[_ALIVE:_ALIVE + 1].copy_(unfinished.any().view(1))
+        torch.logical_and(control[_COL] < control[_LIMIT], control[_ALIVE] != 0, out=go)
+
+    def capture(self) -> None:
+        """Capture the loop now (otherwise the first generation does); it runs the step ``warmup_iters``
+        times first, so a step that keeps state (a KV cache) must have it reset afterwards."""
+        with self._lock:
+            self._loop.capture()
+
+    def chunks(self, tokens: torch.Tensor, position: int, *, max_new_tokens: int, eos_token_id: int | None = None,
+               pad_token_id: int | None = None, unfinished: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
+        """Feed ``tokens`` at ``position`` and yield the next tokens, one ``(batch_size, k)`` tensor per
+        launch (``k <= chunk``), until ``max_new_tokens`` or every sequence has ended.
+
+        A sequence ends when it produces ``eos_token_id`` (None: none ends) and gets
+        ``pad_token_id`` (default: the EOS id) from then on; ``unfinished`` (a
+        ``(batch_size,)`` bool tensor) marks the sequences still going on entry
+        (default: all). Each yielded tensor is a copy (one kernel); the host reads
+        three numbers per launch.
+        """
+        check_int("max_new_tokens", max_new_tokens, minimum=0)
+        check_int("position", position)
+        for name, value in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
+            if value is not None:
+                check_int(name, value)
+        if pad_token_id is not None and eos_token_id is None:
+            raise ValueError("pad_token_id: expected together with eos_token_id (without an EOS no sequence ends)")
+        with self._lock:
+            self._load(tokens, position, unfinished)
+            self._eos.fill_(-1 if eos_token_id is None else eos_token_id)
+            pad = pad_token_id if pad_token_id is not None else eos_token_id
+            self._pad.fill_(0 if pad is None else pad)
+            done, alive = 0, True
+            while done < max_new_tokens and alive:
+                n, alive = self._launch(min(self.chunk, max_new_tokens - done))
+                done += n
+                if n:
+                    yield self._loop.state[_STATE.index("out")][:, :n].clone()
+
+    def generate(self, tokens: torch.Tensor, position: int, *, max_new_tokens: int, eos_token_id: int | None = None,
+                 pad_token_id: int | None = None, unfinished: torch.Tensor | None = None) -> torch.Tensor:
+        """All of :meth:`chunks` as one ``(batch_size, n)`` tensor, ``n <= max_new_tokens``."""
+        parts = list(self.chunks(tokens, position, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                                 pad_token_id=pad_token_id, unfinished=unfinished))
+        if not parts:
+            return torch.empty(self.batch_size, 0, dtype=torch.long, device=self._eos.device)
+        return torch.cat(parts, dim=1)
+
+    def _load(self, tokens: torch.Tensor, position: int, unfinished: torch.Tensor | None) -> None:
+        tok, pos, _, _, alive, _ = self._loop.state
+        _check_vector("tokens", tokens, tok, integer=True)
+        if unfinished is not None:
+            _check_vector("unfinished", unfinished, alive, integer=False)
+        if self._loop.strategy == "pending":
+            self._loop.capture()  # before the state is loaded: the warm-up restores the state it found
+        with torch.no_grad():
+            tok.copy_(tokens.reshape(self.batch_size))
+            pos.fill_(position)
+            alive.copy_(True if unfinished is None else unfinished)
+
+    def _launch(self, limit: int) -> tuple[int, bool]:
+        """One launch of at most ``limit`` steps: (steps run, any sequence still going)."""
+        _, _, _, control, alive, go = self._loop.state
+        with torch.no_grad():
+            control[_COL] = 0
+            control[_LIMIT] = limit
+            torch.any(alive, out=go)  # a batch that has already ended runs no step
+            self._loop.run()
+            self.launches += 1
+            n, _, any_alive = control.tolist()
+        return n, bool(any_alive) and n > 0  # no step ran: every sequence had ended
+
+    def close(self) -> None:
+        """Release the loop's graph (idempotent); the next generation captures again."""
+        with self._lock:
+            self._loop.close()
+
+    def __repr__(self) -> str:
+        return f"DeviceDecodeLoop(batch_size={self.batch_size}, chunk={self.chunk}, strategy={self.strategy})"
+
+
+def _check_vector(name: str, value: Any, like: torch.Tensor, *, integer: bool) -> None:
+    kind = "integer token ids" if integer else "bools"
+    ok = isinstance(value, torch.Tensor) and value.numel() == like.numel() and value.device == like.device and (
+        (not value.is_floating_point() and value.dtype != torch.bool) if integer else value.dtype == torch.bool)
+    if not ok:
+        raise ValueError(f"{name}: expected {like.numel()} {kind} on {like.device}, got {describe(value)}")

@@ -1,0 +1,149 @@
+"""DeviceDecodeLoop on the GPU: a WHILE node decodes until EOS or the budget, tokens equal to the host loop.
+
+A small fp32 model (eager and graphed runs are the same kernels, so argmax ties cannot
+differ) and a transformers Llama through StaticCacheDecoder(device_loop=K). The host
+strategy (what HIP runs) is forced on CUDA in each test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from _decode_steps import host_loop
+from hipgraph_bridge.conditional.support import conditional_support
+from hipgraph_bridge.generation import DeviceDecodeLoop
+
+pytestmark = pytest.mark.gpu
+V = 97
+
+
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok = nn.Embedding(V, 64)
+        self.pos = nn.Embedding(512, 64)
+        self.mlp = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+        self.head = nn.Linear(64, V)
+
+    def forward(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        h = self.tok(tokens) + self.pos(position)
+        return self.head(h + self.mlp(h)).argmax(dim=-1)  # allocates: the body's memory goes to its pool
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return TinyLM().cuda().eval()
+
+
+def _first(b, seed=0):
+    return torch.randint(0, V, (b,), device="cuda", generator=torch.Generator("cuda").manual_seed(seed + b))
+
+
+def _strategy(request_strategy):
+    if request_strategy == "native" and not conditional_support().while_loop:
+        pytest.skip(f"no WHILE nodes here: {conditional_support().reason}")
+    return request_strategy
+
+
+def _eos_ending_rows_at_different_steps(want):
+    rows = want.tolist()
+    for v in range(V):
+        firsts = [row.index(v) if v in row else None for row in rows]
+        if None not in firsts and len(set(firsts)) == len(rows) and 0 < min(firsts) and max(firsts) < len(rows[0]) - 1:
+            return v, firsts
+    pytest.skip("no token ends every row at a different step in this model's output")
+
+
+@pytest.mark.parametrize("strategy", ["native", "host"])
+def test_tokens_equal_the_host_loop_for_a_budget_not_a_multiple_of_the_chunk(lm, strategy):
+    strategy = _strategy(strategy)
+    with torch.no_grad():
+        loop = DeviceDecodeLoop(lm, batch_size=3, chunk=16, strategy=strategy)
+        first = _first(3)
+        got = loop.generate(first, 7, max_new_tokens=37)
+        want = host_loop(lm, first, 7, 37)
+    assert loop.strategy == strategy, loop.strategy_reason
+    assert torch.equal(got, want)
+    assert loop.launches == 3  # 16 + 16 + 5
+
+
+@pytest.mark.parametrize("strategy", ["native", "host"])
+def test_eos_inside_a_launch_stops_each_sequence_at_its_step(lm, strategy):
+    strategy = _strategy(strategy)
+    with torch.no_grad():
+        first = _first(4, seed=3)
+        plain = host_loop(lm, first, 0, 60)
+        eos, firsts = _eos_ending_rows_at_different_steps(plain)
+        loop = DeviceDecodeLoop(lm, batch_size=4, chunk=64, strategy=strategy)
+        got = loop.generate(first, 0, max_new_tokens=60, eos_token_id=eos, pad_token_id=V)
+        want = host_loop(lm, first, 0, 60, eos=eos, pad=V)
+    assert torch.equal(got, want)
+    assert got.shape[1] == max(firsts) + 1  # the launch stopped on the device when the last row ended
+    for r, f in enumerate(firsts):
+        assert int(got[r, f]) == eos and bool(got[r, f + 1:].eq(V).all()), (r, f)
+    assert loop.launches == 1
+
+
+def test_native_launch_runs_the_steps_on_the_device_and_keeps_memory_in_its_pool(lm):
+    _strategy("native")
+    with torch.no_grad():
+        loop = DeviceDecodeLoop(lm, batch_size=2, chunk=32)
+        first = _first(2)
+        loop.generate(first, 0, max_new_tokens=32)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        for _ in range(3):
+            out = loop.generate(first, 0, max_new_tokens=32)
+            del out
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == before  # the step's tensors are the graph pool's, not new ones
+        assert int(loop._loop.iterations) == 32  # one launch ran all 32 steps
+
+
+def test_streaming_chunks_concatenate_to_the_generation(lm):
+    with torch.no_grad():
+        loop = DeviceDecodeLoop(lm, batch_size=2, chunk=8)
+        first = _first(2, seed=1)
+        parts = list(loop.chunks(first, 3, max_new_tokens=20))
+        assert [p.shape[1] for p in parts] == [8, 8, 4]
+        assert torch.equal(torch.cat(parts, 1), host_loop(lm, first, 3, 20))
+
+
+# ------------------------------------------------------------------ transformers through StaticCacheDecoder
+@pytest.fixture(scope="module")
+def llama():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
+                                   max_position_embeddings=256)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _prompt(b, seed=0):
+    g = torch.Generator("cuda").manual_seed(seed + b)
+    return torch.randint(0, 1000, (b, 10), device="cuda", generator=g)
+
+
+@pytest.mark.parametrize("strategy", ["native", "host"])
+@pytest.mark.parametrize("b", [1, 3])
+def test_static_cache_decoder_device_loop_equals_eager(llama, b, strategy):
+    from gfxgraph.hf import StaticCacheDecoder
+
+    strategy = _strategy(strategy)
+    eager = StaticCacheDecoder(llama, max_cache_len=96, graphs=False)
+    dev = StaticCacheDecoder(llama, max_cache_len=96, device_loop=16, strategy=strategy)
+    for seed in (0, 1):  # the second generation re-uses the cache: its write position must start over
+        ids = _prompt(b, seed)
+        want = eager.generate(ids, max_new_tokens=40)
+        got = dev.generate(ids, max_new_tokens=40)
+        assert torch.equal(got, want), (b, seed)
+    eos = int(want[0, 5])  # ends row 0 inside the first launch of the loop
+    assert torch.equal(dev.generate(ids, max_new_tokens=40, eos_token_id=eos, pad_token_id=0),
+                       eager.generate(ids, max_new_tokens=40, eos_token_id=eos, pad_token_id=0))
+    assert dev._slots[b].loop.strategy == strategy
