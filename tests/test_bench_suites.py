@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -154,3 +155,138 @@ def test_installed_reliability_says_it_needs_a_checkout(installed: Path, tmp_pat
     assert r.returncode == 2
     assert "tests/reliability of a source checkout" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+# ------------------------------------------------------------------ prefill: runs per model, merged
+def _prefill_result(model: str) -> dict:
+    """What a prefill child reports for one model (figures invented, structure as the suite writes it)."""
+    lengths = [3, 40, 100, 700, 9, 260]
+    res = {"model": model, "slow_stream": 3, "params": 1, "stream_lengths": lengths, "mixed_lengths": [[5, 9]],
+           "contenders": ["eager", "piecewise", "default", "reduce-overhead"]}
+    for k, mode in enumerate(res["contenders"]):
+        n = 3 if mode == "reduce-overhead" else len(lengths)
+        ms = [(1.0 + k / 10) * (1 + x / 100) for x in lengths[:n]]
+        res[mode] = {"mode": mode, "stream_requests": n, "mixed_batches": 1, "stream_total_s": 10.0 + k,
+                     "checkpoint_total_s": 1.0 + k, "stream_ms": ms, "graph_bytes": 2**20 * k, "mixed_ms": [2.0],
+                     "mixed_total_s": 1.0, "stream_max_diff": 0.01, "stream_within_tol": True,
+                     "mixed_max_diff": 0.02, "mixed_within_tol": True, "first_pass_max_diff": 0.01}
+    return res
+
+
+def _prefill_run(monkeypatch: pytest.MonkeyPatch, model: str, out: Path) -> dict:
+    from gfxgraph.suites import prefill
+
+    monkeypatch.setattr(prefill, "run_child", lambda name, args: _prefill_result(name))
+    monkeypatch.setattr(sys, "argv", ["prefill", "--models", model, "--out", str(out)])
+    prefill.main()
+    return json.loads((out / "prefill.json").read_text())
+
+
+def test_prefill_runs_of_one_model_each_merge_into_one_report(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    a = _prefill_run(monkeypatch, "llama-small", tmp_path / "A")
+    b = _prefill_run(monkeypatch, "llama-1.5b", tmp_path / "B")
+    stale = {**b, "figures": []}  # the merge recomputes the figures from the results, it does not copy them
+    (tmp_path / "B" / "prefill.json").write_text(json.dumps(stale))
+    r = _cli("-m", "gfxgraph.suites.prefill", "--merge", "A/prefill.json", "B/prefill.json", "--out", "C",
+             cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    merged = json.loads((tmp_path / "C" / "prefill.json").read_text())
+    assert merged["figures"] == a["figures"] + b["figures"]
+    assert [res["model"] for res in merged["results"]] == ["llama-small", "llama-1.5b"]
+    assert merged["environment"] == a["environment"] and merged["requests"] == a["requests"]
+    assert [m["path"] for m in merged["merged_from"]] == ["A/prefill.json", "B/prefill.json"]
+    assert [m["models"] for m in merged["merged_from"]] == [["llama-small"], ["llama-1.5b"]]
+    names = [f["name"] for f in merged["figures"]]
+    assert "llama-1.5b: piecewise / default steady latency, prompts 1-64 tokens (3)" in names
+    assert "llama-small: piecewise total / reduce-overhead total, first 3 requests" in names
+    assert "wrote C/prefill.json" in r.stdout
+
+
+def test_prefill_merge_refuses_reports_that_do_not_form_one(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    from gfxgraph.suites._prefill_report import merge
+
+    a = _prefill_run(monkeypatch, "llama-small", tmp_path / "A")
+    again = tmp_path / "again.json"
+    again.write_text(json.dumps(a))
+    with pytest.raises(ValueError, match="each model in one run only, got llama-small twice"):
+        merge([tmp_path / "A" / "prefill.json", again], str(tmp_path / "C"))
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**a, "results": [_prefill_result("llama-1.5b")], "quick": True}))
+    with pytest.raises(ValueError, match="quick=True.*expected runs of the same settings"):
+        merge([tmp_path / "A" / "prefill.json", other], str(tmp_path / "C"))
+    (tmp_path / "x.json").write_text(json.dumps({"benchmark": "llm_decode"}))
+    r = _cli("-m", "gfxgraph.suites.prefill", "--merge", "A/prefill.json", "x.json", "--out", "C", cwd=tmp_path)
+    assert r.returncode == 2 and "expected a prefill.json written by gfxgraph.suites.prefill, got x.json" in r.stderr
+    r = _cli("-m", "gfxgraph.suites.prefill", "--merge", "A/prefill.json", "--out", "C", cwd=tmp_path)
+    assert r.returncode == 2 and "expected at least two prefill.json files, got 1" in r.stderr
+    assert not (tmp_path / "C").exists()
+
+
+def _gone(pid: int, wait_s: float = 5.0) -> bool:
+    """Whether process ``pid`` ended (exited, or a zombie not yet reaped by its new parent)."""
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end:
+        try:
+            state = Path(f"/proc/{pid}/status").read_text()
+        except FileNotFoundError:
+            return True
+        if "\nState:\tZ" in state:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_prefill_child_killed_by_its_timeout_keeps_the_contenders_it_finished(tmp_path: Path):
+    from gfxgraph.suites import prefill
+    from gfxgraph.suites._prefill_report import figures_of
+
+    head = {k: v for k, v in _prefill_result("llama-small").items() if k in
+            ("model", "slow_stream", "params", "stream_lengths", "mixed_lengths", "contenders")}
+    eager = _prefill_result("llama-small")["eager"]
+    pid_file = tmp_path / "helper.pid"
+    helper = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    script = f"""
+import json, subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", {helper!r}])  # a compile worker, say: in the child's process group
+while not __import__("os").path.exists({str(pid_file)!r}):
+    time.sleep(0.05)
+print({prefill._HEAD!r} + json.dumps({head!r}), flush=True)
+print({prefill._MARK!r} + json.dumps({{"mode": "eager", "result": {eager!r}}}), flush=True)
+time.sleep(120)
+"""
+    t0 = time.perf_counter()
+    res = prefill.run_collect("llama-small", [sys.executable, "-c", script], env=None, timeout=3)
+    assert time.perf_counter() - t0 < 30
+    assert _gone(int(pid_file.read_text())), "the child's own child outlived the timeout"
+    assert res["eager"] == eager and res["contenders"] == head["contenders"]
+    assert res["piecewise"] == {"error": "the child was killed after the 3 s timeout (--child-timeout) while this "
+                                         "contender ran"}
+    assert res["default"]["error"].startswith("not started: the child was killed")
+    assert res["incomplete"].endswith("finished: eager; not finished: piecewise, default, reduce-overhead")
+    names = [f["name"] for f in figures_of([res])]
+    assert "llama-small: incomplete run" in names and "llama-small eager: steady latency, median over the stream" \
+        in names and "llama-small piecewise: failed" in names
+    r = prefill.run_collect("llama-small", [sys.executable, "-c", "import sys; sys.exit(3)"], env=None, timeout=30)
+    assert r == {"model": "llama-small", "error": "the child exited with status 3"}
+
+
+def test_prefill_child_prints_each_contender_as_it_finishes_and_progress_on_stderr(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    from gfxgraph.suites import prefill
+    from gfxgraph.suites._prefill_report import figures_of
+
+    monkeypatch.setattr(prefill, "DEVICE", "cpu")
+    monkeypatch.setattr(prefill, "MAX_LEN", 12)
+    monkeypatch.setattr(prefill, "warm_compilers", lambda: None)
+    monkeypatch.setitem(prefill.CONFIGS, "llama-small",
+                        dict(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=256))
+    prefill.child("llama-small", 4, 2, 2, ["eager", "no-such-mode"])
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert lines[0].startswith(prefill._HEAD) and all(ln.startswith(prefill._MARK) for ln in lines[1:]), out
+    res = prefill.collect("llama-small", out, None)
+    assert len(res["eager"]["stream_ms"]) == 4 and len(res["eager"]["mixed_ms"]) == 2
+    assert "error" in res["no-such-mode"] and "incomplete" not in res
+    assert any(f["name"] == "llama-small no-such-mode: failed" for f in figures_of([res]))
+    assert "prefill llama-small eager: start [" in err and "s into eager, " in err
+    assert "prefill llama-small eager: done: stream total" in err and "prefill llama-small no-such-mode: failed" in err

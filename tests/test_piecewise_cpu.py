@@ -441,3 +441,38 @@ def test_the_gpu_path_with_inductor_pieces(fake_graphs):
     assert frame.compiler in ("inductor", "eager") and frame.calls == {"piecewise": 6, "full": 0, "eager": 1}
     assert all(p.status() == "graphed" for p in frame.pieces)
     assert gfxgraph.stats()["validation_failures"] == 0 and gfxgraph.stats()["validation_checks"] >= 18
+
+
+MIXED = [(2, 9), (3, 40), (2, 100), (4, 17), (3, 64), (2, 9), (4, 200)]
+
+
+def test_a_mixed_stream_captures_once_per_batch_and_bucket_and_replays_when_both_repeat(fake_graphs):
+    """The key of a piece graph is (token bucket, batch size); the stream's first call is a frame of its own.
+
+    Dynamo compiles the first call (2, 9) with static sizes (no token count: served whole), and
+    the second (3, 40) as a frame with batch and length dynamic; the second (2, 9) lands in that
+    frame, where (bucket 16, batch 2) is new: it captures. No (bucket, batch) repeats in the stream,
+    so its first pass replays nothing; the same stream again replays every piece on every call.
+    """
+    m = TinyLM().eval()
+    c = torch.compile(m, backend="gfxgraph", options={**PIECEWISE, "simulate_padding": False})
+
+    def stream() -> None:
+        with torch.no_grad():
+            for b, n in MIXED:
+                ids, pos = inputs(n, batch=b)
+                torch.testing.assert_close(c(ids, pos), m(ids, pos), msg=f"batch {b}, {n} tokens")
+
+    stream()
+    (frame,) = frames()
+    first = frame.report()
+    (whole,) = [s for s in cb.compiled_subgraphs() if s not in BEFORE and getattr(s, "role", "") == "full"]
+    assert whole.calls == 1 and first["calls"] == {"piecewise": 6, "full": 0, "eager": 0}, first  # (2, 9): static
+    keys = [(16, 2), (24, 4), (40, 3), (64, 3), (112, 2), (224, 4), (512, 3)]  # 512: the largest, first
+    assert all(sorted(p.entries) == keys for p in frame.pieces), [sorted(p.entries) for p in frame.pieces]
+    assert first["piece_replays"] == 0 and first["piece_captures"] == 3 * len(keys), first
+    stream()  # every call now meets its key: (2, 9) too, dynamo keeps the frame it used last in front
+    again = frame.report()
+    assert again["calls"] == {"piecewise": 6 + 7, "full": 0, "eager": 0} and whole.calls == 1, again
+    assert again["piece_captures"] == first["piece_captures"] and again["piece_replays"] == 3 * len(MIXED), again
+    assert again["piece_eager_runs"] == 0

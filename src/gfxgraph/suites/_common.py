@@ -56,10 +56,13 @@ def parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
-def write(out_dir: str, name: str, figures: list[dict[str, Any]], extra: dict[str, Any]) -> Path:
+def write(out_dir: str, name: str, figures: list[dict[str, Any]], extra: dict[str, Any], *,
+          env: dict[str, Any] | None = None) -> Path:
+    """``out_dir/name.json`` (environment, figures, ``extra``) and its table on stdout. ``env``: the
+    environment to record instead of this process's (a report merged from runs made elsewhere)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    doc = {"benchmark": name, "environment": environment(), "figures": figures, **extra}
+    doc = {"benchmark": name, "environment": environment() if env is None else env, "figures": figures, **extra}
     path = out / f"{name}.json"
     path.write_text(json.dumps(doc, indent=2, default=str))
     print(table(name, figures))

@@ -23,6 +23,14 @@ requests of the stream only (it records a graph per prompt length), the mixed ru
 small model only and whole-graph ``backend="gfxgraph"`` on the small model only; the JSON
 records what ran (``--slow-stream``, ``--mixed-models``, ``--all-contenders`` change it).
 
+Where one command may not run both models, run one model per command (``--models llama-small
+--out A``, then ``--models llama-1.5b --out B``) and merge the two: ``--merge A/prefill.json
+B/prefill.json --out C`` writes one ``prefill.json`` whose figures and plot are recomputed from
+both runs' results (no GPU needed). Each child prints progress lines with elapsed seconds on
+stderr, and one line per finished contender on stdout: a child killed by its timeout
+(``--child-timeout``, 400 s) leaves the contenders it finished in the JSON, the others marked
+failed with the reason.
+
 Per contender: total time for the stream (first pass: compile, capture or recording
 included); an untimed second pass (reduce-overhead records a shape's graph on its second
 call); steady latency per request (third pass, a host sync around each request) against
@@ -39,11 +47,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -52,7 +63,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gfxgraph.suites._common import child_env, figure, parser, write
+from gfxgraph.suites._common import child_env, parser, write
+from gfxgraph.suites._prefill_report import CONTENDERS, figures_of, merge, plot
 from hipgraph_bridge import graph_pool_bytes
 from hipgraph_bridge.compile import backend_stats, compiled_subgraphs, register
 from hipgraph_bridge.validation import tolerance_for
@@ -61,18 +73,39 @@ CONFIGS = {
     "llama-1.5b": dict(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, vocab=128256),
     "llama-small": dict(hidden=512, intermediate=1536, layers=4, heads=8, kv_heads=2, vocab=32000),
 }
-CONTENDERS = ("eager", "piecewise", "gfxgraph", "default", "reduce-overhead")
 MAX_LEN = 1024
-BINS = ((1, 64), (65, 128), (129, 256), (257, 512), (513, 1024))
 PIECEWISE_OPTIONS = {"piecewise": True, "max_tokens": MAX_LEN}
-_MARK = "RESULT "
+# the child's stdout: one header line, then one line per contender as it finishes (kept if it is killed later)
+_HEAD, _MARK = "MODEL ", "CONTENDER "
 DEVICE = "cuda"  # a smoke test of this script's logic may set "cpu"
+CHILD_TIMEOUT_S = 400
+PROGRESS_EVERY = 25  # first-pass requests between progress lines
 
 
 def sync() -> None:
     if DEVICE == "cuda":
         torch.cuda.synchronize()
-CHILD_TIMEOUT_S = 400
+
+
+class Progress:
+    """Progress lines on stderr, flushed at once, so that a killed child shows where its time went."""
+
+    def __init__(self, model: str) -> None:
+        self.model, self.mode = model, "setup"
+        self.t0 = self.tc = time.perf_counter()
+
+    def start(self, mode: str) -> None:
+        self.mode, self.tc = mode, time.perf_counter()
+        self("start")
+
+    def seconds(self) -> float:
+        """Seconds since the current contender started."""
+        return time.perf_counter() - self.tc
+
+    def __call__(self, what: str) -> None:
+        now = time.perf_counter()
+        print(f"prefill {self.model} {self.mode}: {what} [{now - self.tc:.1f} s into {self.mode}, "
+              f"{now - self.t0:.1f} s into the child]", file=sys.stderr, flush=True)
 
 
 class RMSNorm(nn.Module):
@@ -182,10 +215,10 @@ def make_fn(model: Llama, mode: str) -> Any:
     return torch.compile(model, mode=mode)
 
 
-def first_pass(fn: Any, reqs: list[Any], mark: tuple[int, ...],
-               checkpoint: int = 0) -> tuple[float, float, list[torch.Tensor]]:
+def first_pass(fn: Any, reqs: list[Any], mark: tuple[int, ...], checkpoint: int = 0,
+               say: Progress | None = None) -> tuple[float, float, list[torch.Tensor]]:
     """Seconds for one pass (compile and capture included), and for its first ``checkpoint`` requests;
-    the first request marks the dims ``mark`` dynamic."""
+    the first request marks the dims ``mark`` dynamic. ``say``: a progress line every few requests."""
     outs = []
     at = 0.0
     sync()
@@ -194,6 +227,8 @@ def first_pass(fn: Any, reqs: list[Any], mark: tuple[int, ...],
         if i == checkpoint and checkpoint:
             sync()
             at = time.perf_counter() - t0
+        if say is not None and i and i % PROGRESS_EVERY == 0:
+            say(f"first pass, {i}/{len(reqs)} requests")
         if i == 0 and not isinstance(fn, nn.Module):
             for t in (ids, pos):
                 for d in mark:
@@ -242,7 +277,7 @@ def warm_compilers() -> None:
 
 
 def run_contender(model: Llama, mode: str, stream: list[Any], mixed: list[Any],
-                  eager: dict[str, Any] | None, checkpoint: int) -> dict[str, Any]:
+                  eager: dict[str, Any] | None, checkpoint: int, say: Progress) -> dict[str, Any]:
     """One contender: the first pass (timed whole), an untimed pass (graphs recorded on a shape's
     second call settle), the steady pass (timed per request); then the same for the mixed run."""
     torch.compiler.reset()
@@ -251,16 +286,20 @@ def run_contender(model: Llama, mode: str, stream: list[Any], mixed: list[Any],
     fn = make_fn(model, mode)
     res: dict[str, Any] = {"mode": mode, "stream_requests": len(stream), "mixed_batches": len(mixed)}
     with torch.no_grad():
-        res["stream_total_s"], res["checkpoint_total_s"], first = first_pass(fn, stream, (1,), checkpoint)
+        res["stream_total_s"], res["checkpoint_total_s"], first = first_pass(fn, stream, (1,), checkpoint, say)
+        say(f"first pass of the stream: {res['stream_total_s']:.1f} s")
         t0 = time.perf_counter()
         steady_pass(fn, stream)
         res["settle_pass_s"] = time.perf_counter() - t0
         res["stream_ms"], outs = steady_pass(fn, stream)
+        say(f"settle and steady passes of the stream: {res['settle_pass_s']:.1f} s and "
+            f"{sum(res['stream_ms']) / 1e3:.1f} s")
         mixed_outs: list[torch.Tensor] = []
         if mixed:
             res["mixed_total_s"], _, _ = first_pass(fn, mixed, (0, 1))
             steady_pass(fn, mixed)
             res["mixed_ms"], mixed_outs = steady_pass(fn, mixed)
+            say(f"mixed run: first pass {res['mixed_total_s']:.1f} s")
     sync()
     res["graph_bytes"] = graph_pool_bytes() - pools_before
     if eager is not None:
@@ -277,34 +316,99 @@ def run_contender(model: Llama, mode: str, stream: list[Any], mixed: list[Any],
     return res
 
 
-def child(name: str, n_stream: int, n_mixed: int, slow_stream: int, contenders: list[str]) -> dict[str, Any]:
-    """The contenders on one model; returns the figures (printed as one JSON line)."""
+def _emit(mark: str, doc: dict[str, Any]) -> None:
+    print(mark + json.dumps(doc), flush=True)
+
+
+def child(name: str, n_stream: int, n_mixed: int, slow_stream: int, contenders: list[str]) -> None:
+    """The contenders on one model. On stdout: a header line (:data:`_HEAD`), then one line per
+    contender as it finishes, failed ones too (:data:`_MARK`), so a parent that kills this process
+    keeps what finished; progress lines on stderr."""
+    say = Progress(name)
     model = build(name)
     stream, mixed = make_requests(n_stream, n_mixed, CONFIGS[name]["vocab"])
     with torch.no_grad():  # CUDA context, cuBLAS handles, workspaces: outside every timing
         model(*stream[0][:3])
     warm_compilers()
-    out: dict[str, Any] = {"model": name, "slow_stream": slow_stream, "contenders": contenders,
-                           "params": sum(p.numel() for p in model.parameters()),
-                           "stream_lengths": [r[3][0] for r in stream], "mixed_lengths": [r[3] for r in mixed]}
+    say("model built, compilers warmed")
+    _emit(_HEAD, {"model": name, "slow_stream": slow_stream, "contenders": contenders,
+                  "params": sum(p.numel() for p in model.parameters()),
+                  "stream_lengths": [r[3][0] for r in stream], "mixed_lengths": [r[3] for r in mixed]})
     eager = None
     for mode in contenders:
         n = slow_stream if mode == "reduce-overhead" else n_stream
-        t0 = time.perf_counter()
+        say.start(mode)
         try:
-            res = run_contender(model, mode, stream[:n], mixed, eager, checkpoint=slow_stream)
+            res = run_contender(model, mode, stream[:n], mixed, eager, slow_stream, say)
         except Exception as exc:  # one contender's failure is reported, the others still run
-            out[mode] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+            say(f"failed: {type(exc).__name__}: {exc}"[:500])
+            _emit(_MARK, {"mode": mode, "result": {"error": f"{type(exc).__name__}: {exc}"[:2000]}})
             torch.compiler.reset()
             continue
-        res["contender_wall_s"] = time.perf_counter() - t0
-        print(f"{name} {mode}: stream total {res['stream_total_s']:.2f} s, median "
-              f"{statistics.median(res['stream_ms']):.3f} ms ({res['contender_wall_s']:.0f} s)",
-              file=sys.stderr, flush=True)
+        res["contender_wall_s"] = say.seconds()
+        say(f"done: stream total {res['stream_total_s']:.2f} s, median {statistics.median(res['stream_ms']):.3f} ms")
         if mode == "eager":
             eager = res
-        out[mode] = {k: v for k, v in res.items() if not k.endswith("_outs")}
-    return out
+        _emit(_MARK, {"mode": mode, "result": {k: v for k, v in res.items() if not k.endswith("_outs")}})
+
+
+def collect(name: str, stdout: str, failure: str | None) -> dict[str, Any]:
+    """A model's results from its child's stdout: the header and every contender that finished.
+
+    ``failure`` (None when the child exited 0) says why it stopped; the contender that was
+    running and those after it get an error naming it, and the result an ``incomplete`` note.
+    """
+    res: dict[str, Any] | None = None
+    for line in stdout.splitlines():
+        if line.startswith(_HEAD):
+            res = json.loads(line[len(_HEAD):])
+        elif line.startswith(_MARK) and res is not None:
+            part = json.loads(line[len(_MARK):])
+            res[part["mode"]] = part["result"]
+    if res is None:
+        return {"model": name, "error": failure or "the child printed no results"}
+    missing = [c for c in res["contenders"] if c not in res]
+    if missing:
+        why = failure or "the child exited without the results of every contender"
+        for i, mode in enumerate(missing):
+            res[mode] = {"error": f"{why} while this contender ran" if i == 0 else f"not started: {why} first"}
+        done = [c for c in res["contenders"] if c not in missing]
+        res["incomplete"] = f"{why}; finished: {', '.join(done) or 'none'}; not finished: {', '.join(missing)}"
+    return res
+
+
+def run_collect(name: str, cmd: list[str], *, env: dict[str, str] | None, timeout: float) -> dict[str, Any]:
+    """Run a child in a process group of its own and :func:`collect` what it printed. Past
+    ``timeout`` seconds the whole group (compile workers included) is killed; what finished stays."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout=timeout)
+        failure = None if rc == 0 else f"the child exited with status {rc}"
+    except subprocess.TimeoutExpired:
+        failure = f"the child was killed after the {timeout:g} s timeout (--child-timeout)"
+        _kill_group(proc)
+    except BaseException:  # an interrupted parent leaves no child behind
+        _kill_group(proc)
+        raise
+    reader.join(timeout=10)
+    return collect(name, "".join(lines), failure)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the process group that ``proc`` leads (not yet reaped, so its id is still its own)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def run_child(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -315,119 +419,14 @@ def run_child(name: str, args: argparse.Namespace) -> dict[str, Any]:
         contenders = [c for c in CONTENDERS if name == "llama-small" or args.all_contenders or c != "gfxgraph"]
         cmd = [sys.executable, "-m", "gfxgraph.suites.prefill", "--child", name, "--stream", str(args.stream), "--mixed", str(mixed),
                "--slow-stream", str(args.slow_stream), "--contenders", ",".join(contenders)]
-        try:
-            r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, timeout=CHILD_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            return {"model": name, "error": f"timed out after {CHILD_TIMEOUT_S} s"}
-        lines = [ln for ln in r.stdout.splitlines() if ln.startswith(_MARK)]
-        if r.returncode != 0 or not lines:
-            return {"model": name, "error": f"exit status {r.returncode}"}
-        return json.loads(lines[-1][len(_MARK):])
-
-
-def _median(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
-
-
-def bin_ratios(res: dict[str, Any], mode: str, lengths: list[int]) -> list[tuple[str, float | None, int]]:
-    """Per length bin: median over its requests of (mode's latency / default's), and the request count."""
-    a, d = res.get(mode, {}).get("stream_ms"), res.get("default", {}).get("stream_ms")
-    if not a or not d:
-        return []
-    out = []
-    for lo, hi in BINS:
-        r = [x / y for x, y, n in zip(a, d, lengths) if lo <= n <= hi]
-        out.append((f"{lo}-{hi}", _median(r), len(r)))
-    return out
-
-
-def _mode_figures(name: str, mode: str, r: dict[str, Any]) -> list[dict[str, Any]]:
-    mib, n = 2**20, r["stream_requests"]
-    figs = [
-        figure(f"{name} {mode}: stream total ({n} requests, compile and capture included)", r["stream_total_s"],
-               None, None, "s"),
-        figure(f"{name} {mode}: steady latency, median over the stream", _median(r["stream_ms"]), None, None, "ms"),
-    ]
-    if r.get("mixed_ms"):
-        figs += [
-            figure(f"{name} {mode}: mixed run total ({r['mixed_batches']} batches of 1..8)", r["mixed_total_s"],
-                   None, None, "s"),
-            figure(f"{name} {mode}: mixed run steady latency, median per batch", _median(r["mixed_ms"]), None,
-                   None, "ms"),
-        ]
-    if mode != "eager":
-        mixed = f"; mixed run {r['mixed_max_diff']:.3g}" if r.get("mixed_ms") else ""
-        figs += [
-            figure(f"{name} {mode}: graph memory", r["graph_bytes"] / mib, None, None, "MiB"),
-            figure(f"{name} {mode}: max |logit - eager| over the stream", r["stream_max_diff"],
-                   "within bf16 tolerance of eager (rtol 5e-2, atol 1e-2)",
-                   bool(r["stream_within_tol"] and r["mixed_within_tol"]),
-                   note=f"first pass {r['first_pass_max_diff']:.3g}{mixed}"),
-        ]
-    return figs
-
-
-def model_figures(res: dict[str, Any]) -> list[dict[str, Any]]:
-    name, figs, mib = res["model"], [], 2**20
-    lengths = res["stream_lengths"]
-    for mode in res.get("contenders", CONTENDERS):
-        r = res.get(mode)
-        if not isinstance(r, dict) or "stream_ms" not in r:
-            figs.append(figure(f"{name} {mode}: failed", None, None, False, note=str(r)[:500]))
-            continue
-        figs += _mode_figures(name, mode, r)
-    pw, ro = res.get("piecewise", {}), res.get("reduce-overhead", {})
-    if "checkpoint_total_s" in pw and "stream_total_s" in ro:
-        k = ro["stream_requests"]
-        ratio = pw["checkpoint_total_s"] / ro["stream_total_s"]
-        figs.append(figure(f"{name}: piecewise total / reduce-overhead total, first {k} requests", ratio, "<= 0.2",
-                           ratio <= 0.2, note=f"{pw['checkpoint_total_s']:.2f} s vs {ro['stream_total_s']:.2f} s"))
-        if ro.get("graph_bytes"):
-            figs.append(figure(f"{name}: piecewise graph memory / reduce-overhead graph memory",
-                               pw["graph_bytes"] / ro["graph_bytes"], None, None,
-                               note=f"{pw['graph_bytes'] / mib:.0f} vs {ro['graph_bytes'] / mib:.0f} MiB"))
-    for mode in ("piecewise", "gfxgraph", "reduce-overhead"):
-        for label, ratio, count in bin_ratios(res, mode, lengths):
-            target, ok = (None, None)
-            if mode == "piecewise":
-                target = "<= 1.02"
-                ok = ratio is not None and ratio <= 1.02
-                if name == "llama-small" and label == "1-64":
-                    target, ok = "<= 0.77", ratio is not None and ratio <= 0.77
-            figs.append(figure(f"{name}: {mode} / default steady latency, prompts {label} tokens ({count})", ratio,
-                               target, ok))
-    return figs
-
-
-def plot(results: list[dict[str, Any]], out_dir: str) -> str | None:
-    """Latency per request against prompt length, one panel per model (needs matplotlib)."""
-    try:
-        import matplotlib  # optional: the bench extra
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    good = [r for r in results if "stream_lengths" in r]
-    if not good:
-        return None
-    fig, axes = plt.subplots(1, len(good), figsize=(7 * len(good), 4.5), squeeze=False)
-    for ax, res in zip(axes[0], good):
-        for mode in CONTENDERS:
-            r = res.get(mode, {})
-            if "stream_ms" in r:
-                ax.scatter(res["stream_lengths"][:len(r["stream_ms"])], r["stream_ms"], s=6, label=mode)
-        ax.set_xlabel("prompt length (tokens)")
-        ax.set_ylabel("steady latency per request (ms)")
-        ax.set_yscale("log")
-        ax.set_title(res["model"])
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(out_dir) / "prefill_latency.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+        t0 = time.perf_counter()
+        print(f"prefill {name}: child started ({', '.join(contenders)}; timeout {args.child_timeout:g} s)",
+              file=sys.stderr, flush=True)
+        res = run_collect(name, cmd, env=env, timeout=args.child_timeout)
+        print(f"prefill {name}: child ended after {time.perf_counter() - t0:.1f} s"
+              + (f": {res.get('error') or res.get('incomplete')}" if "error" in res or "incomplete" in res else ""),
+              file=sys.stderr, flush=True)
+        return res
 
 
 def main() -> None:
@@ -439,22 +438,34 @@ def main() -> None:
     p.add_argument("--mixed-models", default="llama-small", help="models that also run the mixed batches")
     p.add_argument("--all-contenders", action="store_true",
                    help="also run whole-graph backend='gfxgraph' on the 1.5B model (skipped for time by default)")
+    p.add_argument("--child-timeout", type=float, default=CHILD_TIMEOUT_S,
+                   help=f"seconds a model's child may run before it is killed (default {CHILD_TIMEOUT_S}); the "
+                        "contenders it finished are kept")
+    p.add_argument("--merge", nargs="+", metavar="PREFILL_JSON",
+                   help="write one prefill.json in --out from the prefill.json of runs of other models (e.g. "
+                        "--models llama-small and --models llama-1.5b), figures and plot recomputed; runs nothing "
+                        "and needs no GPU")
     p.add_argument("--child", choices=tuple(CONFIGS), help=argparse.SUPPRESS)
     p.add_argument("--contenders", default=",".join(CONTENDERS), help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.merge:
+        if args.child or args.models != p.get_default("models"):
+            p.error("--merge: expected the prefill.json files and --out only (it runs no model)")
+        try:
+            merge(args.merge, args.out)
+        except (OSError, ValueError) as exc:
+            p.error(str(exc))
+        return
+    if args.child_timeout <= 0:
+        p.error(f"--child-timeout: expected a positive number of seconds, got {args.child_timeout:g}")
     args.stream = args.stream or (24 if args.quick else 200)
     args.mixed = args.mixed or (6 if args.quick else 24)
     args.slow_stream = min(args.slow_stream or (12 if args.quick else 60), args.stream)
     if args.child:
-        out = child(args.child, args.stream, args.mixed, args.slow_stream, args.contenders.split(","))
-        print(_MARK + json.dumps(out), flush=True)
+        child(args.child, args.stream, args.mixed, args.slow_stream, args.contenders.split(","))
         return
     models = ["llama-small"] if args.quick and args.models == p.get_default("models") else args.models.split(",")
     results = [run_child(name, args) for name in models]
-    figures = [f for res in results if "error" not in res for f in model_figures(res)]
-    for res in results:
-        if "error" in res:
-            figures.append(figure(f"{res['model']}: failed", None, None, False, note=res["error"]))
     extra = {"method": __doc__, "quick": args.quick, "plot": plot(results, args.out), "results": results,
              "requests": {"stream": args.stream, "mixed batches": args.mixed, "mixed run on": args.mixed_models,
                           "reduce-overhead stream": args.slow_stream,
@@ -462,7 +473,7 @@ def main() -> None:
                                   "a graph per prompt length); totals are compared on those requests. The mixed run "
                                   "and, on the 1.5B model, whole-graph backend='gfxgraph' are left out by default "
                                   "to fit the time budget (--mixed-models, --all-contenders)"}}
-    write(args.out, "prefill", figures, extra)
+    write(args.out, "prefill", figures_of(results), extra)
 
 
 if __name__ == "__main__":
