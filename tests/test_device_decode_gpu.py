@@ -100,7 +100,17 @@ def test_native_launch_runs_the_steps_on_the_device_and_keeps_memory_in_its_pool
             del out
         torch.cuda.synchronize()
         assert torch.cuda.memory_allocated() == before  # the step's tensors are the graph pool's, not new ones
-        assert int(loop._loop.iterations) == 32  # one launch ran all 32 steps
+        assert int(loop._loop.state[3][0]) == 32 and loop.launches == 4  # each launch ran all 32 steps
+
+
+def test_a_batch_beyond_one_block_takes_the_torch_bookkeeping_on_the_native_path(lm):
+    _strategy("native")
+    with torch.no_grad():
+        first = torch.arange(1100, device="cuda") % V
+        loop = DeviceDecodeLoop(lm, batch_size=1100, chunk=8)
+        got = loop.generate(first, 0, max_new_tokens=10, eos_token_id=5)
+        assert not loop._fused and loop.strategy == "native"
+        assert torch.equal(got, host_loop(lm, first, 0, 10, eos=5))
 
 
 def test_streaming_chunks_concatenate_to_the_generation(lm):

@@ -15,6 +15,11 @@ loads them with the driver API:
   state scalar ``value`` with the right-hand side (or test it for non-zero),
   and stop at ``max_iters``. Folding the comparison saves the kernels a
   separate ``cond_fn`` would launch on every iteration.
+* ``gfxgraph_decode_step(handle, ...)``: the WHILE step of a greedy decode loop
+  (:mod:`hipgraph_bridge.generation`), one thread per sequence in one block: the
+  EOS bookkeeping, the token written into its output column and fed back, the
+  position and column advanced, and the loop stopped when every sequence has
+  ended or the launch's limit is reached: one kernel instead of a dozen tiny ones.
 
 The source declares ``cudaGraphSetConditional`` itself, so no CUDA headers and
 no device runtime library are needed. Compilation happens once per process
@@ -42,7 +47,7 @@ from ..log import logger
 from ..runtime import INSTALL_HINT
 
 __all__ = ["SetterKernels", "setter_kernels", "nvrtc_version", "nvrtc_unavailable_reason", "launch",
-           "dtype_kind", "COMPARE_OPS", "KERNEL_SOURCE", "compile_source"]
+           "dtype_kind", "COMPARE_OPS", "KERNEL_SOURCE", "compile_source", "DECODE_STEP_MAX_BATCH"]
 
 KERNEL_SOURCE = r"""
 typedef __device_builtin__ unsigned long long cudaGraphConditionalHandle;
@@ -104,9 +109,38 @@ extern "C" __global__ void gfxgraph_loop_step(cudaGraphConditionalHandle handle,
     const bool go = done < max_iters && gfxgraph_holds(value, kind, op, rhs_i, rhs_f);
     cudaGraphSetConditional(handle, go ? 1u : 0u);
 }
+
+/* control = {column written this launch, steps allowed this launch, any sequence going};
+   eos_pad = {EOS id (-1: none), pad id}; out is (batch, chunk) row-major; one block of >= batch threads. */
+extern "C" __global__ void gfxgraph_decode_step(cudaGraphConditionalHandle handle, const long long* nxt,
+                                                long long* tokens, long long* out, long long* control,
+                                                long long* position, unsigned char* unfinished,
+                                                const long long* eos_pad, int batch, int chunk) {
+    const int b = threadIdx.x;
+    const long long col = control[0];
+    int alive = 0;
+    if (b < batch) {
+        const bool going = unfinished[b] != 0;
+        const long long t = going ? nxt[b] : eos_pad[1];
+        const bool still = going && t != eos_pad[0];
+        unfinished[b] = still ? 1 : 0;
+        out[(long long)b * chunk + col] = t;
+        tokens[b] = t;
+        alive = still ? 1 : 0;
+    }
+    alive = __syncthreads_or(alive);  /* every thread has read col before thread 0 advances it */
+    if (b == 0) {
+        const long long next = col + 1;
+        control[0] = next;
+        control[2] = alive;
+        position[0] += 1;
+        cudaGraphSetConditional(handle, (alive && next < control[1]) ? 1u : 0u);
+    }
+}
 """
 
-_KERNELS = ("gfxgraph_set_if", "gfxgraph_set_switch", "gfxgraph_loop_step")
+_KERNELS = ("gfxgraph_set_if", "gfxgraph_set_switch", "gfxgraph_loop_step", "gfxgraph_decode_step")
+DECODE_STEP_MAX_BATCH = 1024  # one block
 
 # Comparison operators of the loop step, by their codes in the kernel.
 COMPARE_OPS: dict[str, int] = {"nonzero": 0, "<": 1, "<=": 2, ">": 3, ">=": 4, "==": 5, "!=": 6}
@@ -139,6 +173,7 @@ class SetterKernels:
     set_if: Any
     set_switch: Any
     loop_step: Any
+    decode_step: Any
 
 
 _lock = threading.Lock()
@@ -335,8 +370,9 @@ def _load_first(driver: Any, images: Sequence[tuple[str, bytes]]) -> tuple[Any, 
                             "install the NVRTC of the driver's CUDA version")
 
 
-def launch(fn: Any, args: Sequence[tuple[Any, Any]], stream: int, *, device: int) -> None:
-    """Launch ``fn`` with one thread on the raw ``stream``; ``args`` are (ctypes type, value) pairs.
+def launch(fn: Any, args: Sequence[tuple[Any, Any]], stream: int, *, device: int, threads: int = 1) -> None:
+    """Launch ``fn`` as one block of ``threads`` threads on the raw ``stream``; ``args`` are (ctypes type,
+    value) pairs.
 
     During a capture the launch becomes a kernel node; its arguments are
     copied at launch, so they need not outlive this call.
@@ -345,6 +381,6 @@ def launch(fn: Any, args: Sequence[tuple[Any, Any]], stream: int, *, device: int
     ensure_context(device)
     values = [ctype(value) for ctype, value in args]
     pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-    (err,) = driver.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, driver.CUstream(int(stream)),
+    (err,) = driver.cuLaunchKernel(fn, 1, 1, 1, threads, 1, 1, 0, driver.CUstream(int(stream)),
                                    ctypes.addressof(pointers), 0)
     _driver_check(driver, "cuLaunchKernel", err)

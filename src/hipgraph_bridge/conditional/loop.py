@@ -122,11 +122,16 @@ class DeviceWhileLoop:
         strategy: ``"auto"``, ``"native"`` or ``"host"``.
         copy_outputs: :meth:`run` returns copies of the state (default) or the static buffers.
         warmup_iters: eager body runs before capture (on scratch copies; the state is restored).
+        native_step: on the native path, ``native_step(native, handle, first)`` captures the
+            WHILE step in place of the condition's (``first``: before the loop, else at the end
+            of each body); it must set ``handle`` (e.g. ``native.launch_set_if``) and stop the
+            loop itself: ``max_iters`` and :attr:`iterations` are then not kept there.
     """
 
     def __init__(self, cond: LoopCondition | Callable[..., torch.Tensor], body_fn: Callable[..., Any],
                  state: torch.Tensor | Sequence[torch.Tensor], *, max_iters: int = 10_000,
-                 strategy: LoopStrategy = "auto", copy_outputs: bool = True, warmup_iters: int = 1) -> None:
+                 strategy: LoopStrategy = "auto", copy_outputs: bool = True, warmup_iters: int = 1,
+                 native_step: Callable[[NativeConditional, int, bool], None] | None = None) -> None:
         if not isinstance(cond, LoopCondition) and not callable(cond):
             raise TypeError(f"cond: expected a LoopCondition or a callable, got {type(cond).__name__}")
         if not callable(body_fn):
@@ -148,6 +153,7 @@ class DeviceWhileLoop:
         self.requested_strategy: str = strategy
         self.copy_outputs = bool(copy_outputs)
         self.warmup_iters = warmup_iters
+        self._native_step = native_step
         self._device = next(iter(devices))
         with torch.no_grad():
             self._state = tuple(t.detach().clone() for t in tensors)
@@ -241,6 +247,9 @@ class DeviceWhileLoop:
         cond = self.cond
 
         def step(handle: int, first: bool) -> None:
+            if self._native_step is not None:
+                self._native_step(native, handle, first)
+                return
             if isinstance(cond, LoopCondition):
                 value = self._state[cond.index]
                 op = COMPARE_OPS[cond.op]

@@ -42,7 +42,7 @@ from ..errors import GraphCaptureError, GraphRuntimeError
 from ..graph.capture import capture_on_stream
 from ..log import logger
 from ..runtime import CAPTURE_MODE_THREAD_LOCAL, COND_IF, COND_SWITCH, COND_WHILE, Runtime, get_runtime
-from .kernels import launch, setter_kernels
+from .kernels import DECODE_STEP_MAX_BATCH, launch, setter_kernels
 
 __all__ = ["BodyPool", "NativeConditional", "side_stream"]
 
@@ -198,9 +198,36 @@ class NativeConditional:
             (ctypes.c_void_p, counter.data_ptr()), (ctypes.c_int, max_iters), (ctypes.c_int, 1 if first else 0),
         ])
 
+    def launch_set_if(self, handle: int, pred: torch.Tensor) -> None:
+        """Capture a kernel that sets the handle to ``pred[0] != 0`` (a one-byte bool/uint8 tensor)."""
+        _check_scalar("pred", pred, (torch.bool, torch.uint8), self.device)
+        self._launch(self._kernels.set_if, [(ctypes.c_ulonglong, handle), (ctypes.c_void_p, pred.data_ptr())])
+
+    def launch_decode_step(self, handle: int, *, nxt: torch.Tensor, tokens: torch.Tensor, out: torch.Tensor,
+                           control: torch.Tensor, position: torch.Tensor, unfinished: torch.Tensor,
+                           eos_pad: torch.Tensor) -> None:
+        """Capture the decode loop's WHILE step (see :mod:`.kernels`): one block, a thread per sequence.
+
+        ``nxt``/``tokens``: ``(batch,)`` int64; ``out``: ``(batch, chunk)`` int64; ``control``: 3 int64;
+        ``position``: one int64; ``unfinished``: ``(batch,)`` bool; ``eos_pad``: 2 int64; all contiguous.
+        """
+        batch = nxt.numel()
+        if not 1 <= batch <= DECODE_STEP_MAX_BATCH:
+            raise ValueError(f"decode step: expected 1..{DECODE_STEP_MAX_BATCH} sequences, got {batch}")
+        for name, t in (("nxt", nxt), ("tokens", tokens), ("out", out), ("control", control),
+                        ("position", position), ("unfinished", unfinished), ("eos_pad", eos_pad)):
+            if not t.is_contiguous() or t.device != torch.device("cuda", self.device):
+                raise ValueError(f"decode step: {name} must be a contiguous tensor on cuda:{self.device}")
+        self._launch(self._kernels.decode_step, [
+            (ctypes.c_ulonglong, handle), (ctypes.c_void_p, nxt.data_ptr()), (ctypes.c_void_p, tokens.data_ptr()),
+            (ctypes.c_void_p, out.data_ptr()), (ctypes.c_void_p, control.data_ptr()),
+            (ctypes.c_void_p, position.data_ptr()), (ctypes.c_void_p, unfinished.data_ptr()),
+            (ctypes.c_void_p, eos_pad.data_ptr()), (ctypes.c_int, batch), (ctypes.c_int, out.shape[1]),
+        ], threads=(batch + 31) // 32 * 32)
+
     # -------------------------------------------------------------- mechanics
-    def _launch(self, fn: Any, args: list[tuple[Any, Any]]) -> None:
-        launch(fn, args, torch.cuda.current_stream(self.device).cuda_stream, device=self.device)
+    def _launch(self, fn: Any, args: list[tuple[Any, Any]], threads: int = 1) -> None:
+        launch(fn, args, torch.cuda.current_stream(self.device).cuda_stream, device=self.device, threads=threads)
 
     def _add(self, cond_type: int, size: int, set_value: Callable[[int], None],
              bodies: Sequence[Callable[[int], None]]) -> None:

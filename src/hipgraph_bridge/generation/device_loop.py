@@ -28,7 +28,9 @@ keep its own write position right: a capture or warm-up runs the step, so a
 step over a KV cache needs the cache reset after :meth:`capture`.
 
 Strategies are the loop's (:attr:`strategy`): ``"native"`` (a CUDA WHILE
-node: one launch per chunk, no host sync inside it), ``"host"`` (HIP, which
+node: one launch per chunk, no host sync inside it; after each step one kernel
+does the EOS bookkeeping, writes the token, advances the position and decides
+whether to go on, for up to 1024 sequences, torch ops beyond), ``"host"`` (HIP, which
 has no conditional nodes; forcible on CUDA: the step is one graph replayed
 with one host read per token) and ``"eager"`` (no GPU graphs).
 
@@ -47,7 +49,9 @@ import torch
 
 from ..checks import check_int
 from ..conditional import DeviceWhileLoop, LoopCondition
+from ..conditional.kernels import DECODE_STEP_MAX_BATCH
 from ..conditional.loop import LOOP_STRATEGIES
+from ..conditional.native_nodes import NativeConditional
 from ..tree import describe
 
 __all__ = ["DeviceDecodeLoop"]
@@ -90,14 +94,16 @@ class DeviceDecodeLoop:
         self.chunk = chunk
         self.launches = 0  # graph launches (host strategy: launches of the loop, one replay per step)
         long = dict(dtype=torch.long, device=dev)
-        self._eos = torch.zeros((), **long)  # set per generation; -1 (no token matches) without an EOS id
-        self._pad = torch.zeros((), **long)
+        self._eos_pad = torch.zeros(2, **long)  # set per generation; EOS -1 (no token matches) without an EOS id
+        self._nxt: torch.Tensor | None = None  # the step's output in the captured body (the fused step reads it)
+        self._fused = batch_size <= DECODE_STEP_MAX_BATCH
         state = (torch.zeros(batch_size, **long), torch.zeros((), **long), torch.zeros(batch_size, chunk, **long),
                  torch.tensor([0, chunk, 1], **long), torch.ones(batch_size, dtype=torch.bool, device=dev),
                  torch.ones((), dtype=torch.bool, device=dev))
         self._loop = DeviceWhileLoop(LoopCondition(_STATE.index("go"), "nonzero"), self._body, state,
                                      max_iters=chunk, strategy=strategy, copy_outputs=False,  # type: ignore[arg-type]
-                                     warmup_iters=warmup_iters)
+                                     warmup_iters=warmup_iters,
+                                     native_step=self._native_step if self._fused else None)
         self._lock = threading.Lock()
 
     @property
@@ -114,8 +120,11 @@ class DeviceDecodeLoop:
         nxt = self.step(tokens, position)
         if not isinstance(nxt, torch.Tensor) or nxt.numel() != self.batch_size or nxt.is_floating_point():
             raise TypeError(f"step: expected {self.batch_size} integer token ids, got {describe(nxt)}")
-        nxt = torch.where(unfinished, nxt.reshape(self.batch_size).long(), self._pad)
-        unfinished.logical_and_(nxt != self._eos)
+        if self._fused and self._loop.strategy == "native":  # the bookkeeping is the WHILE step's kernel
+            self._nxt = nxt.reshape(self.batch_size).long().contiguous()
+            return
+        nxt = torch.where(unfinished, nxt.reshape(self.batch_size).long(), self._eos_pad[1])
+        unfinished.logical_and_(nxt != self._eos_pad[0])
         col = control[_COL:_COL + 1]
         out.index_copy_(1, col, nxt.view(self.batch_size, 1))  # column chosen on the device: no host read
         tokens.copy_(nxt)
@@ -123,6 +132,17 @@ class DeviceDecodeLoop:
         col.add_(1)
         control[_ALIVE:_ALIVE + 1].copy_(unfinished.any().view(1))
         torch.logical_and(control[_COL] < control[_LIMIT], control[_ALIVE] != 0, out=go)
+
+    def _native_step(self, native: NativeConditional, handle: int, first: bool) -> None:
+        """The native loop's WHILE step: before the loop, the host-set ``go``; after each body one kernel
+        does the torch path's dozen (EOS, output column, feedback, position, the stop test)."""
+        tokens, position, out, control, unfinished, go = self._loop.state
+        if first:
+            native.launch_set_if(handle, go)
+            return
+        assert self._nxt is not None
+        native.launch_decode_step(handle, nxt=self._nxt, tokens=tokens, out=out, control=control,
+                                  position=position, unfinished=unfinished, eos_pad=self._eos_pad)
 
     def capture(self) -> None:
         """Capture the loop now (otherwise the first generation does); it runs the step ``warmup_iters``
@@ -150,9 +170,8 @@ class DeviceDecodeLoop:
             raise ValueError("pad_token_id: expected together with eos_token_id (without an EOS no sequence ends)")
         with self._lock:
             self._load(tokens, position, unfinished)
-            self._eos.fill_(-1 if eos_token_id is None else eos_token_id)
             pad = pad_token_id if pad_token_id is not None else eos_token_id
-            self._pad.fill_(0 if pad is None else pad)
+            self._eos_pad.copy_(torch.tensor([-1 if eos_token_id is None else eos_token_id, 0 if pad is None else pad]))
             done, alive = 0, True
             while done < max_new_tokens and alive:
                 n, alive = self._launch(min(self.chunk, max_new_tokens - done))
@@ -166,7 +185,7 @@ class DeviceDecodeLoop:
         parts = list(self.chunks(tokens, position, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
                                  pad_token_id=pad_token_id, unfinished=unfinished))
         if not parts:
-            return torch.empty(self.batch_size, 0, dtype=torch.long, device=self._eos.device)
+            return torch.empty(self.batch_size, 0, dtype=torch.long, device=self._eos_pad.device)
         return torch.cat(parts, dim=1)
 
     def _load(self, tokens: torch.Tensor, position: int, unfinished: torch.Tensor | None) -> None:
