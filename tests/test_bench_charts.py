@@ -98,11 +98,10 @@ def test_compile_backend_per_contender_and_a_failed_one_dropped():
     doc = _doc("compile_backend")
     steady, total = charts(doc)
     res = doc["results"]
-    assert _bars(steady.panels[0]) == {"eager": res["pool-eager"]["eager_ms"],
-                                       'compile(backend="gfxgraph")': res["gfxgraph"]["steady_ms"],
-                                       'compile(mode="reduce-overhead")': res["reduce-overhead"]["steady_ms"],
-                                       'compile(mode="default")': res["default"]["steady_ms"],
-                                       "gfxgraph ShapeBucketPool": res["pool-eager"]["steady_ms"]}
+    lines = _series(steady.panels[0])  # the committed run has a per-batch sweep: lines against batch size
+    assert set(lines) == {"eager", "backend", "reduce-overhead", "default", "pool"}
+    assert lines["backend"] == tuple((float(b), v) for b, v in sorted(res["gfxgraph"]["per_batch_ms"].items(),
+                                                                          key=lambda kv: float(kv[0])))
     assert _bars(total.panels[0])['compile(backend="gfxgraph")'] == res["gfxgraph"]["total_s"]
     assert _bars(total.panels[1])['compile(mode="reduce-overhead")'] == res["reduce-overhead"]["graph_bytes"] / 2**20
     broken = copy.deepcopy(doc)
@@ -110,7 +109,8 @@ def test_compile_backend_per_contender_and_a_failed_one_dropped():
     assert 'compile(mode="default")' not in _bars(charts(broken)[1].panels[0])
     broken["results"]["gfxgraph"]["per_batch_ms"] = {"1": 0.1, "2": 0.11}
     lines = charts(broken)[0].panels[0]
-    assert isinstance(lines, LinePanel) and _series(lines) == {"backend": ((1.0, 0.1), (2.0, 0.11))}
+    assert isinstance(lines, LinePanel) and _series(lines)["backend"] == ((1.0, 0.1), (2.0, 0.11))
+    assert "default" not in _series(lines)  # the failed contender has no line
 
 
 def test_replay_overhead_bars_with_quartiles():
@@ -192,3 +192,13 @@ def test_device_generate_one_bar_panel_per_model_and_batch():
     assert [p.title for p in chart.panels] == ["llama-small, bs 1", "llama-small, bs 4"]
     assert chart.panels[0].bars == (("eager", "eager", 100.0), ("pool", "pool", 300.0),
                                     ("device K=16", "device", 350.0))
+
+
+def test_prefill_lines_of_median_latency_per_length_bin():
+    doc = {"benchmark": "prefill", "results": [{"model": "m", "stream_lengths": [3, 10, 100, 700],
+                                                 "eager": {"stream_ms": [1.0, 3.0, 5.0, 9.0]},
+                                                 "piecewise": {"stream_ms": [0.1, 0.2, 0.5, 0.9]},
+                                                 "default": {"error": "timed out"}}]}
+    (chart,) = charts(doc)
+    assert _series(chart.panels[0]) == {"eager": ((64.0, 3.0), (128.0, 5.0), (1024.0, 9.0)),
+                                        "piecewise": ((64.0, 0.2), (128.0, 0.5), (1024.0, 0.9))}

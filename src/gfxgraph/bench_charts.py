@@ -28,7 +28,10 @@ MODE_LABELS = {
     "default": 'compile(mode="default")',
     "floor": "weight-streaming floor",
     "device": "gfxgraph DeviceDecodeLoop (EOS on the device)",
+    "piecewise": 'compile(backend="gfxgraph", piecewise)',
 }
+# prompt-length bins of the prefill chart (the prefill suite's)
+_PREFILL_BINS = ((1, 64), (65, 128), (129, 256), (257, 512), (513, 1024))
 
 # Peak HBM bandwidth (bytes/s, vendor data sheets), longest name first so "H100 PCIe" wins over "H100".
 _PEAK_BANDWIDTH = (("H100 PCIe", 2.0e12), ("MI300X", 5.3e12), ("MI250X", 3.2e12), ("A100", 2.0e12),
@@ -362,6 +365,29 @@ def device_generate_charts(doc: dict[str, Any]) -> list[Chart]:
                   "loop (one launch and one read per K tokens).", legend=False)]
 
 
+def prefill_charts(doc: dict[str, Any]) -> list[Chart]:
+    keys = {"eager": "eager", "piecewise": "piecewise", "gfxgraph": "backend", "default": "default",
+            "reduce-overhead": "reduce-overhead"}
+    panels = []
+    for res in doc.get("results", []):
+        lengths, series = res.get("stream_lengths", []), []
+        for mode, key in keys.items():
+            ms = res.get(mode, {}).get("stream_ms") if isinstance(res.get(mode), dict) else None
+            if not ms:
+                continue
+            points = []
+            for lo, hi in _PREFILL_BINS:
+                xs = sorted(m for m, n in zip(ms, lengths) if lo <= n <= hi)
+                if xs:
+                    points.append((float(hi), xs[len(xs) // 2]))
+            series.append(Series(MODE_LABELS[key], key, tuple(points)))
+        panels.append(_line(f"{res.get('model')}: prefill at batch 1", "prompt length (tokens, bin upper bound)",
+                            "ms per request (median in the bin)", tuple(series)))
+    return [Chart("prefill", "Prefill of prompts of every length", _nonempty(tuple(panels)),
+                  "Steady latency per request against prompt length, one line per mode (reduce-overhead: the "
+                  "first 60 requests only).")]
+
+
 def _nonempty(panels: tuple) -> tuple:
     return tuple(p for p in panels if (p.series if isinstance(p, LinePanel) else p.bars))
 
@@ -376,6 +402,7 @@ SUITE_CHARTS: dict[str, Callable[[dict[str, Any]], list[Chart]]] = {
     "hf_generate": hf_generate_charts,
     "call_overhead": call_overhead_charts,
     "device_generate": device_generate_charts,
+    "prefill": prefill_charts,
     "reliability": lambda doc: [],  # its table is the result; a chart of all-green bars says nothing more
 }
 

@@ -66,6 +66,7 @@ from torch import nn
 from gfxgraph.suites._common import child_env, parser, write
 from gfxgraph.suites._prefill_report import CONTENDERS, figures_of, merge, plot
 from hipgraph_bridge import graph_pool_bytes
+from hipgraph_bridge.graph.memory import graph_pool_ids
 from hipgraph_bridge.compile import backend_stats, compiled_subgraphs, register
 from hipgraph_bridge.validation import tolerance_for
 
@@ -282,7 +283,7 @@ def run_contender(model: Llama, mode: str, stream: list[Any], mixed: list[Any],
     second call settle), the steady pass (timed per request); then the same for the mixed run."""
     torch.compiler.reset()
     sync()
-    pools_before = graph_pool_bytes()
+    pools_before = graph_pool_ids()
     fn = make_fn(model, mode)
     res: dict[str, Any] = {"mode": mode, "stream_requests": len(stream), "mixed_batches": len(mixed)}
     with torch.no_grad():
@@ -301,7 +302,7 @@ def run_contender(model: Llama, mode: str, stream: list[Any], mixed: list[Any],
             res["mixed_ms"], mixed_outs = steady_pass(fn, mixed)
             say(f"mixed run: first pass {res['mixed_total_s']:.1f} s")
     sync()
-    res["graph_bytes"] = graph_pool_bytes() - pools_before
+    res["graph_bytes"] = graph_pool_bytes(graph_pool_ids() - pools_before)  # this contender's own pools
     if eager is not None:
         res["stream_max_diff"], res["stream_within_tol"] = max_diff(outs, eager["stream_outs"][:len(outs)])
         res["mixed_max_diff"], res["mixed_within_tol"] = max_diff(mixed_outs, eager["mixed_outs"])

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["graph_pool_bytes", "device_memory", "exceeds_vram_cap"]
+__all__ = ["graph_pool_bytes", "graph_pool_ids", "device_memory", "exceeds_vram_cap"]
 
 def _as_pool_key(pool: object) -> tuple[int, int]:
     a, b = pool  # type: ignore[misc]  # _POOL_HANDLE is a (int, int) tuple
@@ -41,6 +41,20 @@ def graph_pool_bytes(pools: Iterable[object] | None = None, *, device: int | Non
         if wanted is None or key in wanted:
             total += int(seg["total_size"])
     return total
+
+
+def graph_pool_ids(*, device: int | None = None) -> set[tuple[int, int]]:
+    """The graph (private) pools that hold memory now, as ``(int, int)`` keys :func:`graph_pool_bytes` takes.
+
+    The difference of two calls names the pools made in between: their bytes are a
+    run's own graph memory even when other pools were freed meanwhile.
+    """
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return set()
+    keys = {_as_pool_key(seg.get("segment_pool_id", (0, 0))) for seg in torch.cuda.memory_snapshot()
+            if device is None or seg.get("device") == device}
+    return keys - {(0, 0)}
+
 
 def device_memory(device: int | None = None) -> tuple[int, int]:
     """(free, total) bytes on ``device`` as the driver reports them."""
