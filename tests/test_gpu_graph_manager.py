@@ -321,3 +321,22 @@ def test_shared_pool_after_a_failed_capture_is_usable_or_refused_clearly():
     g3.replay()
     torch.cuda.synchronize()
     assert torch.equal(w, x * 4)
+
+
+def test_graph_pool_ids_name_the_pools_made_in_between_even_when_others_are_freed():
+    from hipgraph_bridge.graph.memory import graph_pool_bytes, graph_pool_ids
+
+    x = torch.ones(1 << 20, device="cuda")
+    old = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(old):
+        y = x * 2
+    before = graph_pool_ids()
+    del old, y  # an earlier run's pool is freed while the next one captures
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    new = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(new):
+        z = x + 1
+    made = graph_pool_ids() - before
+    assert len(made) == 1 and graph_pool_bytes(made) >= z.numel() * 4
+    assert graph_pool_bytes(made) == graph_pool_bytes([new.pool()])
