@@ -29,7 +29,7 @@ def test_tokens_equal_the_host_loop_for_any_budget(budget):
 def test_eos_in_the_middle_of_a_launch_stops_that_sequence_only():
     want = host_loop(arithmetic_step, FIRST, 5, 12)
     eos = int(want[0, 2])  # row 0 ends at its third token, inside the first launch of 4
-    assert eos not in want[1:, :].tolist()[0]  # precondition: the other rows go on
+    assert all(eos not in row[:3] for row in want[1:].tolist())  # precondition: the other rows go on past it
     got = _loop(chunk=4).generate(FIRST, 5, max_new_tokens=12, eos_token_id=eos, pad_token_id=0)
     ref = host_loop(arithmetic_step, FIRST, 5, 12, eos=eos, pad=0)
     assert torch.equal(got, ref)
@@ -88,8 +88,9 @@ def test_step_must_be_callable():
 @pytest.mark.parametrize("tokens,kw,match", [
     (torch.tensor([1.0, 2.0, 3.0]), {}, "tokens: expected 3 integer token ids"),
     (torch.tensor([1, 2]), {}, "tokens: expected 3 integer token ids"),
-    (FIRST, dict(unfinished=torch.ones(3)), "unfinished: expected 3 bools"),
+    (FIRST, dict(eos_token_id=1, unfinished=torch.ones(3)), "unfinished: expected 3 bools"),
     (FIRST, dict(pad_token_id=0), "pad_token_id: expected together with eos_token_id"),
+    (FIRST, dict(unfinished=torch.ones(3, dtype=torch.bool)), "unfinished: expected together with eos_token_id"),
     (FIRST, dict(eos_token_id=-2), "eos_token_id: expected an int >= 0"),
 ])
 def test_generation_checks(tokens, kw, match):
@@ -109,3 +110,27 @@ def test_a_step_that_returns_no_token_ids_is_named():
 def test_decoder_device_loop_options_checked(kw, match):
     with pytest.raises(ValueError, match=match):
         StaticCacheDecoder(object(), max_cache_len=8, **kw)
+
+
+def test_arguments_are_checked_when_chunks_is_called_not_at_the_first_next():
+    with pytest.raises(ValueError, match="tokens: expected 3 integer token ids"):
+        _loop().chunks(torch.tensor([1, 2]), 0, max_new_tokens=4)
+
+
+def test_a_later_generation_supersedes_an_unfinished_iterator_instead_of_hanging():
+    loop = _loop(chunk=2)
+    it = loop.chunks(FIRST, 0, max_new_tokens=8)
+    first = next(it)
+    other = torch.tensor([4, 0, 9])
+    assert torch.equal(loop.generate(other, 3, max_new_tokens=5), host_loop(arithmetic_step, other, 3, 5))
+    with pytest.raises(RuntimeError, match="superseded by a later generation"):
+        next(it)
+    assert torch.equal(first, host_loop(arithmetic_step, FIRST, 0, 2))
+
+
+def test_an_abandoned_iterator_blocks_nothing():
+    loop = _loop(chunk=2)
+    it = loop.chunks(FIRST, 0, max_new_tokens=8)
+    next(it)
+    assert torch.equal(loop.generate(FIRST, 0, max_new_tokens=3), host_loop(arithmetic_step, FIRST, 0, 3))
+    del it

@@ -92,6 +92,8 @@ def test_native_launch_runs_the_steps_on_the_device_and_keeps_memory_in_its_pool
     with torch.no_grad():
         loop = DeviceDecodeLoop(lm, batch_size=2, chunk=32)
         first = _first(2)
+        loop.capture()
+        assert loop.strategy == "native", loop.strategy_reason
         loop.generate(first, 0, max_new_tokens=32)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
@@ -109,8 +111,48 @@ def test_a_batch_beyond_one_block_takes_the_torch_bookkeeping_on_the_native_path
         first = torch.arange(1100, device="cuda") % V
         loop = DeviceDecodeLoop(lm, batch_size=1100, chunk=8)
         got = loop.generate(first, 0, max_new_tokens=10, eos_token_id=5)
-        assert not loop._fused and loop.strategy == "native"
+        assert not loop._fused and loop.strategy == "native", loop.strategy_reason
         assert torch.equal(got, host_loop(lm, first, 0, 10, eos=5))
+
+
+@pytest.mark.parametrize("b", [33, 100, 1024])
+def test_the_fused_step_over_several_warps_ends_each_sequence_at_its_eos(lm, b):
+    _strategy("native")
+    with torch.no_grad():
+        first = torch.arange(b, device="cuda") % V
+        loop = DeviceDecodeLoop(lm, batch_size=b, chunk=16)
+        got = loop.generate(first, 0, max_new_tokens=40, eos_token_id=11, pad_token_id=V)
+        assert loop._fused and loop.strategy == "native", loop.strategy_reason
+        assert torch.equal(got, host_loop(lm, first, 0, 40, eos=11, pad=V))
+
+
+class CacheLM(nn.Module):
+    """A step that writes a cache at its position and reads the cache up to it (causal, like a KV cache)."""
+
+    def __init__(self, b: int) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(64, b, dtype=torch.long))
+        self.register_buffer("steps", torch.arange(64))
+
+    def forward(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        self.cache.index_copy_(0, position.view(1), tokens.view(1, -1))
+        seen = (self.cache * (self.steps <= position).long().view(-1, 1)).sum(0)
+        return (tokens * 7 + seen + position) % V
+
+
+@pytest.mark.parametrize("strategy", ["native", "host"])
+def test_a_stateful_step_captured_on_the_first_generation_keeps_its_state_right(strategy):
+    strategy = _strategy(strategy)
+    with torch.no_grad():
+        dev, ref = CacheLM(3).cuda(), CacheLM(3).cuda()
+        first = _first(3, seed=5)
+        for cache in (dev.cache, ref.cache):
+            cache[:4] = 9  # a prefill of 4 positions
+        loop = DeviceDecodeLoop(dev, batch_size=3, chunk=8, strategy=strategy)
+        got = loop.generate(first, 4, max_new_tokens=20)  # captures now: the warm-up runs the step
+        assert loop.strategy == strategy, loop.strategy_reason
+        assert torch.equal(got, host_loop(ref, first, 4, 20))
+        assert torch.equal(dev.cache, ref.cache)
 
 
 def test_streaming_chunks_concatenate_to_the_generation(lm):
@@ -118,6 +160,7 @@ def test_streaming_chunks_concatenate_to_the_generation(lm):
         loop = DeviceDecodeLoop(lm, batch_size=2, chunk=8)
         first = _first(2, seed=1)
         parts = list(loop.chunks(first, 3, max_new_tokens=20))
+        assert loop.strategy in ("native", "host"), loop.strategy_reason
         assert [p.shape[1] for p in parts] == [8, 8, 4]
         assert torch.equal(torch.cat(parts, 1), host_loop(lm, first, 3, 20))
 

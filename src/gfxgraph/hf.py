@@ -105,6 +105,9 @@ class StaticCacheDecoder:
                 raise ValueError("device_loop: expected graphs=True (the device loop is a captured graph)")
         if strategy not in LOOP_STRATEGIES:
             raise ValueError(f"strategy: expected one of {', '.join(LOOP_STRATEGIES)}, got {strategy!r}")
+        if strategy != "auto" and device_loop is None:
+            raise ValueError(f"strategy={strategy!r}: expected together with device_loop= (it is the device "
+                             "loop's strategy)")
         self.device_loop = device_loop
         self.strategy = strategy
         self.model = model
@@ -214,8 +217,9 @@ class StaticCacheDecoder:
         if slot.loop is not None:  # the prefill's token on the host side, the rest in launches of the loop
             if eos is not None:
                 unfinished &= tok != eos
-            rest = slot.loop.generate(tok, n, max_new_tokens=new - 1, eos_token_id=eos, pad_token_id=pad,
-                                      unfinished=unfinished)
+            ends = eos is not None  # without an EOS id nothing ends: the loop takes no pad id or mask
+            rest = slot.loop.generate(tok, n, max_new_tokens=new - 1, eos_token_id=eos,
+                                      pad_token_id=pad if ends else None, unfinished=unfinished if ends else None)
             return torch.cat([tok.view(b, 1), rest], dim=1)
         out = torch.empty(b, new, dtype=torch.long, device=input_ids.device)
         for i in range(new):

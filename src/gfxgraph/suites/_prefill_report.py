@@ -41,7 +41,7 @@ def bin_ratios(res: dict[str, Any], mode: str, lengths: list[int]) -> list[tuple
 
 
 def _mode_figures(name: str, mode: str, r: dict[str, Any]) -> list[dict[str, Any]]:
-    mib, n = 2**20, r["stream_requests"]
+    n = r["stream_requests"]
     figs = [
         figure(f"{name} {mode}: stream total ({n} requests, compile and capture included)", r["stream_total_s"],
                None, None, "s"),

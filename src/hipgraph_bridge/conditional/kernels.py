@@ -134,7 +134,7 @@ extern "C" __global__ void gfxgraph_decode_step(cudaGraphConditionalHandle handl
         control[0] = next;
         control[2] = alive;
         position[0] += 1;
-        cudaGraphSetConditional(handle, (alive && next < control[1]) ? 1u : 0u);
+        cudaGraphSetConditional(handle, (alive && next < control[1] && next < chunk) ? 1u : 0u);
     }
 }
 """

@@ -22,7 +22,8 @@ Workflow::
    state scalar with a constant, folded into the setter kernel: no extra
    kernel per iteration) or ``cond_fn(*state)`` returning a one-element
    tensor (non-zero: go on), whose kernels run once per iteration.
-4. ``max_iters`` caps the iterations on every strategy.
+4. ``max_iters`` caps the iterations on every strategy (on the native path, unless a
+   ``native_step`` replaces the step kernel: that step then owns the stop).
 
 Strategies (:attr:`DeviceWhileLoop.strategy`), chosen by one cached probe
 (:func:`~.support.conditional_support`) that reads the capability table

@@ -214,10 +214,15 @@ class NativeConditional:
         batch = nxt.numel()
         if not 1 <= batch <= DECODE_STEP_MAX_BATCH:
             raise ValueError(f"decode step: expected 1..{DECODE_STEP_MAX_BATCH} sequences, got {batch}")
+        shapes = {"nxt": (batch,), "tokens": (batch,), "out": (batch, out.shape[-1]), "control": (3,),
+                  "position": (), "unfinished": (batch,), "eos_pad": (2,)}
         for name, t in (("nxt", nxt), ("tokens", tokens), ("out", out), ("control", control),
                         ("position", position), ("unfinished", unfinished), ("eos_pad", eos_pad)):
-            if not t.is_contiguous() or t.device != torch.device("cuda", self.device):
-                raise ValueError(f"decode step: {name} must be a contiguous tensor on cuda:{self.device}")
+            dtype = torch.bool if name == "unfinished" else torch.int64
+            if (not t.is_contiguous() or t.device != torch.device("cuda", self.device) or t.dtype != dtype
+                    or tuple(t.shape) != shapes[name]):
+                raise ValueError(f"decode step: {name}: expected a contiguous {dtype} tensor of shape "
+                                 f"{shapes[name]} on cuda:{self.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
         self._launch(self._kernels.decode_step, [
             (ctypes.c_ulonglong, handle), (ctypes.c_void_p, nxt.data_ptr()), (ctypes.c_void_p, tokens.data_ptr()),
             (ctypes.c_void_p, out.data_ptr()), (ctypes.c_void_p, control.data_ptr()),

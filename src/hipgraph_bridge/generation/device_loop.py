@@ -74,8 +74,8 @@ class DeviceDecodeLoop:
         warmup_iters: eager runs of the step before capture.
 
     Memory: the buffers are ``batch_size * (chunk + 2)`` longs and a few scalars; the
-    step's own allocations live in the loop graph's pool for its lifetime. Not
-    thread-safe across generations: calls are serialised by a lock.
+    step's own allocations live in the loop graph's pool for its lifetime. Launches
+    are serialised by a lock; one generation runs at a time (a new one ends the last).
     """
 
     def __init__(self, step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *, batch_size: int,
@@ -105,6 +105,7 @@ class DeviceDecodeLoop:
                                      warmup_iters=warmup_iters,
                                      native_step=self._native_step if self._fused else None)
         self._lock = threading.Lock()
+        self._generation = 0  # which chunks() iterator may launch
 
     @property
     def strategy(self) -> str:
@@ -145,8 +146,10 @@ class DeviceDecodeLoop:
                                   position=position, unfinished=unfinished, eos_pad=self._eos_pad)
 
     def capture(self) -> None:
-        """Capture the loop now (otherwise the first generation does); it runs the step ``warmup_iters``
-        times first, so a step that keeps state (a KV cache) must have it reset afterwards."""
+        """Capture the loop now (otherwise the first generation does, at its own tokens and position).
+        It runs the step ``warmup_iters`` times (twice per stream on the native path), so a step whose
+        state advances on every run (transformers 5's ``StaticCache`` keeps its own write position)
+        must have it reset afterwards: capture first, then reset and prefill."""
         with self._lock:
             self._loop.capture()
 
@@ -155,29 +158,43 @@ class DeviceDecodeLoop:
         """Feed ``tokens`` at ``position`` and yield the next tokens, one ``(batch_size, k)`` tensor per
         launch (``k <= chunk``), until ``max_new_tokens`` or every sequence has ended.
 
-        A sequence ends when it produces ``eos_token_id`` (None: none ends) and gets
-        ``pad_token_id`` (default: the EOS id) from then on; ``unfinished`` (a
-        ``(batch_size,)`` bool tensor) marks the sequences still going on entry
-        (default: all). Each yielded tensor is a copy (one kernel); the host reads
-        three numbers per launch.
+        A sequence ends when it produces ``eos_token_id`` and gets ``pad_token_id``
+        (default: the EOS id) from then on; ``unfinished`` (a ``(batch_size,)`` bool
+        tensor, with an EOS id) marks the sequences still going on entry (default:
+        all). Each yielded tensor is a copy (one kernel). Native strategy: the host
+        reads three numbers per launch; host strategy: one per step.
+
+        Arguments are checked and the state loaded now, not at the first ``next()``.
+        One generation at a time: a later :meth:`chunks` or :meth:`generate` on the
+        same loop reloads the state, and an earlier iterator then raises ``RuntimeError``.
         """
         check_int("max_new_tokens", max_new_tokens, minimum=0)
         check_int("position", position)
         for name, value in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
             if value is not None:
                 check_int(name, value)
-        if pad_token_id is not None and eos_token_id is None:
-            raise ValueError("pad_token_id: expected together with eos_token_id (without an EOS no sequence ends)")
+        if eos_token_id is None and (pad_token_id is not None or unfinished is not None):
+            what = "pad_token_id" if pad_token_id is not None else "unfinished"
+            raise ValueError(f"{what}: expected together with eos_token_id (without an EOS no sequence ends)")
+        pad = pad_token_id if pad_token_id is not None else eos_token_id
         with self._lock:
             self._load(tokens, position, unfinished)
-            pad = pad_token_id if pad_token_id is not None else eos_token_id
             self._eos_pad.copy_(torch.tensor([-1 if eos_token_id is None else eos_token_id, 0 if pad is None else pad]))
-            done, alive = 0, True
-            while done < max_new_tokens and alive:
+            self._generation += 1
+            return self._iterate(self._generation, max_new_tokens)
+
+    def _iterate(self, ticket: int, max_new_tokens: int) -> Iterator[torch.Tensor]:
+        done, alive = 0, True
+        while done < max_new_tokens and alive:
+            with self._lock:  # held per launch, never across a yield
+                if ticket != self._generation:
+                    raise RuntimeError("DeviceDecodeLoop: this chunks() iterator was superseded by a later "
+                                       "generation on the same loop (the state was reloaded); run one at a time")
                 n, alive = self._launch(min(self.chunk, max_new_tokens - done))
-                done += n
-                if n:
-                    yield self._loop.state[_STATE.index("out")][:, :n].clone()
+                part = self._loop.state[_STATE.index("out")][:, :n].clone() if n else None
+            done += n
+            if part is not None:
+                yield part
 
     def generate(self, tokens: torch.Tensor, position: int, *, max_new_tokens: int, eos_token_id: int | None = None,
                  pad_token_id: int | None = None, unfinished: torch.Tensor | None = None) -> torch.Tensor:
@@ -193,12 +210,14 @@ class DeviceDecodeLoop:
         _check_vector("tokens", tokens, tok, integer=True)
         if unfinished is not None:
             _check_vector("unfinished", unfinished, alive, integer=False)
-        if self._loop.strategy == "pending":
-            self._loop.capture()  # before the state is loaded: the warm-up restores the state it found
         with torch.no_grad():
             tok.copy_(tokens.reshape(self.batch_size))
             pos.fill_(position)
             alive.copy_(True if unfinished is None else unfinished)
+        if self._loop.strategy == "pending":
+            # after the load: the warm-up runs the step at this generation's own position (a KV cache
+            # written there is overwritten by the first real step) and puts the loaded state back
+            self._loop.capture()
 
     def _launch(self, limit: int) -> tuple[int, bool]:
         """One launch of at most ``limit`` steps: (steps run, any sequence still going)."""
@@ -216,6 +235,7 @@ class DeviceDecodeLoop:
         """Release the loop's graph (idempotent); the next generation captures again."""
         with self._lock:
             self._loop.close()
+            self._nxt = None
 
     def __repr__(self) -> str:
         return f"DeviceDecodeLoop(batch_size={self.batch_size}, chunk={self.chunk}, strategy={self.strategy})"
