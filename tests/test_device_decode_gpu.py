@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from _decode_steps import host_loop
+from _decode_steps import VOCAB, arithmetic_step, host_loop
 from hipgraph_bridge.conditional.support import conditional_support
 from hipgraph_bridge.generation import DeviceDecodeLoop
 
@@ -48,9 +48,9 @@ def _strategy(request_strategy):
     return request_strategy
 
 
-def _eos_ending_rows_at_different_steps(want):
+def _eos_ending_rows_at_different_steps(want, vocab):
     rows = want.tolist()
-    for v in range(V):
+    for v in range(vocab):
         firsts = [row.index(v) if v in row else None for row in rows]
         if None not in firsts and len(set(firsts)) == len(rows) and 0 < min(firsts) and max(firsts) < len(rows[0]) - 1:
             return v, firsts
@@ -71,19 +71,20 @@ def test_tokens_equal_the_host_loop_for_a_budget_not_a_multiple_of_the_chunk(lm,
 
 
 @pytest.mark.parametrize("strategy", ["native", "host"])
-def test_eos_inside_a_launch_stops_each_sequence_at_its_step(lm, strategy):
+def test_eos_inside_a_launch_stops_each_sequence_at_its_step(strategy):
     strategy = _strategy(strategy)
-    with torch.no_grad():
-        first = _first(4, seed=3)
-        plain = host_loop(lm, first, 0, 60)
-        eos, firsts = _eos_ending_rows_at_different_steps(plain)
-        loop = DeviceDecodeLoop(lm, batch_size=4, chunk=64, strategy=strategy)
-        got = loop.generate(first, 0, max_new_tokens=60, eos_token_id=eos, pad_token_id=V)
-        want = host_loop(lm, first, 0, 60, eos=eos, pad=V)
+    with torch.no_grad():  # the toy step's outputs are known: an EOS id that ends each row at another step
+        first = torch.tensor([1, 2, 3], device="cuda")
+        plain = host_loop(arithmetic_step, first, 5, 40)
+        eos, firsts = _eos_ending_rows_at_different_steps(plain, VOCAB)
+        loop = DeviceDecodeLoop(arithmetic_step, batch_size=3, chunk=64, strategy=strategy)
+        got = loop.generate(first, 5, max_new_tokens=40, eos_token_id=eos, pad_token_id=VOCAB)
+        want = host_loop(arithmetic_step, first, 5, 40, eos=eos, pad=VOCAB)
+    assert loop.strategy == strategy, loop.strategy_reason
     assert torch.equal(got, want)
-    assert got.shape[1] == max(firsts) + 1  # the launch stopped on the device when the last row ended
+    assert got.shape[1] == max(firsts) + 1 < 40  # the launch stopped on the device when the last row ended
     for r, f in enumerate(firsts):
-        assert int(got[r, f]) == eos and bool(got[r, f + 1:].eq(V).all()), (r, f)
+        assert int(got[r, f]) == eos and bool(got[r, f + 1:].eq(VOCAB).all()), (r, f)
     assert loop.launches == 1
 
 
