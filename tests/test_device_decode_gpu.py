@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from _decode_steps import VOCAB, arithmetic_step, host_loop
+from _tiny_llama import prompt, tiny_llama
 from hipgraph_bridge.conditional.support import conditional_support
 from hipgraph_bridge.generation import DeviceDecodeLoop
 
@@ -169,19 +170,11 @@ def test_streaming_chunks_concatenate_to_the_generation(lm):
 # ------------------------------------------------------------------ transformers through StaticCacheDecoder
 @pytest.fixture(scope="module")
 def llama():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
-                                   max_position_embeddings=256)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        return transformers.LlamaForCausalLM(cfg).eval()
+    return tiny_llama(pytest.importorskip("transformers"))
 
 
 def _prompt(b, seed=0):
-    g = torch.Generator("cuda").manual_seed(seed + b)
-    return torch.randint(0, 1000, (b, 10), device="cuda", generator=g)
+    return prompt(b, 10, seed)
 
 
 @pytest.mark.parametrize("strategy", ["native", "host"])

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import gfxgraph
+from _tiny_llama import prompt, tiny_llama
 from gfxgraph.hf import StaticCacheDecoder, compile_config
 
 pytestmark = pytest.mark.gpu
@@ -21,18 +22,11 @@ PROMPT, NEW = 10, 24
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
-                                   max_position_embeddings=256)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        return transformers.LlamaForCausalLM(cfg).eval()
+    return tiny_llama(transformers)
 
 
 def _prompt(b, seed=0):
-    g = torch.Generator("cuda").manual_seed(seed + b)
-    return torch.randint(0, 1000, (b, PROMPT), device="cuda", generator=g)
+    return prompt(b, PROMPT, seed)
 
 
 def _generate(model, ids, *, full_length=True, **kw):

@@ -8,6 +8,8 @@ import json
 import os
 import platform
 import statistics
+import time
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,15 @@ def figure(name: str, value: float, target: str | None, passed: bool | None, uni
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Seconds of ``fn()`` between two device syncs, and its result."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, out
 
 
 def parser(description: str) -> argparse.ArgumentParser:

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from gfxgraph.hf import StaticCacheDecoder
-from gfxgraph.suites._common import figure, parser, write
-from gfxgraph.suites.llm_decode import CONFIGS, build_model, make_step, new_cache, prefill
+from gfxgraph.suites._common import figure, parser, timed, write
+from gfxgraph.suites.llm_decode import CONFIGS, HandCaptured, build_model, make_step, new_cache, prefill
 
 PROMPT, NEW, CHUNKS = 16, 256, (16, 64, 256)
 
@@ -44,18 +44,7 @@ class HandLoop:
         self.model, self.b = model, b
         self.cache = new_cache(model, b, max_len)
         prefill(model, self.cache, torch.zeros(b, 1, dtype=torch.long, device="cuda"))  # the cache's tensors exist
-        step = make_step(model, self.cache)
-        self.ids = torch.zeros(b, 1, dtype=torch.long, device="cuda")
-        self.pos = torch.ones(b, 1, dtype=torch.long, device="cuda")
-        self.cp = torch.ones(1, dtype=torch.long, device="cuda")
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step(self.ids, self.pos, self.cp)
-        torch.cuda.current_stream().wait_stream(s)
-        self.g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.g, stream=s):
-            _, self.out = step(self.ids, self.pos, self.cp)
+        self.graph = HandCaptured(make_step(model, self.cache), b, 1)
 
     def generate(self, ids: torch.Tensor, *, max_new_tokens: int, eos_token_id: int) -> torch.Tensor:
         self.cache.reset()
@@ -69,20 +58,13 @@ class HandLoop:
             out[:, i] = tok
             if i == max_new_tokens - 1 or not bool(alive.any()):
                 return out[:, :i + 1]
-            self.ids.copy_(tok.view(self.b, 1))
-            self.pos.fill_(n + i)
-            self.cp.fill_(n + i)
-            self.g.replay()
-            tok = self.out
+            g = self.graph  # its static inputs written in place, as a hand-written loop does
+            g.ids.copy_(tok.view(self.b, 1))
+            g.pos.fill_(n + i)
+            g.cp.fill_(n + i)
+            g.g.replay()
+            tok = g.out[1]
         return out
-
-
-def _timed(fn: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0, out
 
 
 def _modes(model: Any, b: int, max_len: int) -> dict[str, Any]:
@@ -114,7 +96,7 @@ def run_case(model: Any, b: int, rounds: int) -> dict[str, Any]:
         labels = list(modes)
         for r in range(rounds):
             for label in (labels if r % 2 == 0 else labels[::-1]):
-                seconds, tokens[label] = _timed(lambda: modes[label].generate(ids, max_new_tokens=NEW,
+                seconds, tokens[label] = timed(lambda: modes[label].generate(ids, max_new_tokens=NEW,
                                                                                eos_token_id=eos))
                 times[label].append(seconds)
     res = {}

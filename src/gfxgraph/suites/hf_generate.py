@@ -18,24 +18,15 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 import gfxgraph.hf
-from gfxgraph.suites._common import figure, parser, write
+from gfxgraph.suites._common import figure, parser, timed, write
 from gfxgraph.suites.llm_decode import CONFIGS, build_model
 
 PROMPT, NEW, SIZES = 16, 128, (1, 4, 5)
-
-
-def _timed(fn: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0, out
 
 
 def run_mode(model: Any, mode: str, reps: int) -> dict[str, Any]:
@@ -58,8 +49,8 @@ def run_mode(model: Any, mode: str, reps: int) -> dict[str, Any]:
                                       min_new_tokens=NEW, do_sample=False, cache_implementation="static",
                                       pad_token_id=0, **kw)[:, PROMPT:]
 
-        first, tokens = _timed(call)
-        later = [_timed(call)[0] for _ in range(reps)]
+        first, tokens = timed(call)
+        later = [timed(call)[0] for _ in range(reps)]
         res[f"bs{b}"] = {"first_call_s": first, "ms_per_token": statistics.median(later) / NEW * 1e3,
                          "tokens": tokens}
     torch.compiler.reset()
