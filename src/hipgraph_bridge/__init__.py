@@ -8,7 +8,9 @@ only those below it): ``runtime`` <- ``graph`` <- ``bucketing``,
 
 from __future__ import annotations
 
-from .bucketing import RankAgreement, ShapeBucketPool, default_buckets, validate_buckets
+from .bucketing import ShapeBucketPool
+from .graph.buckets import default_buckets, validate_buckets
+from .ranks import RankAgreement
 from .compat import BridgedCUDAGraph
 from .compile import BackendOptions, backend_stats, compiled_subgraphs, gfxgraph_backend
 from .compose import (

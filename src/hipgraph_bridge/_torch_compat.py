@@ -8,7 +8,8 @@ below is probed once; :func:`describe` reports the path this process took
 what                           torch 2.6 - 2.12 (device: 2.11)             torch 2.13+ (CI: 2.13 CPU)
 =============================  ==========================================  ======================================
 ``torch.utils._pytree``        argument and output trees (no public twin)  same
-``TorchDispatchMode``          input liveness in debug/validate mode       not needed: PyTorch's own check
+``TorchDispatchMode``          input liveness in debug/validate mode;      the row analysis (without the
+                               the row analysis                            per-op dynamo wrapper, 2.12+)
 replay entry point             ``torch._C._CUDAGraph.replay`` when the     the Python ``CUDAGraph.replay`` (it
                                Python wrapper only delegates               checks input liveness when asked)
 ``check_input_liveness``       absent: debug mode records the captured     passed to ``capture_begin``
@@ -36,6 +37,10 @@ collectives in an FX graph     ``torch._ops.OpOverload[Packet]`` in the    same
                                namespaces
 torch ops by name              ``torch._ops.OpOverload`` and its packet    same
                                (the piecewise backend's splitting ops)
+op schemas                     ``OpOverload._schema``: which arguments     same
+                               an op writes (the row analysis)
+fake tensors                   ``torch._subclasses.FakeTensorMode``: the   same
+                               row analysis of a compiled graph
 lazy fx code                   ``_LazyGraphModule.real_recompile`` (2.3+)  same
 =============================  ==========================================  ======================================
 
@@ -78,6 +83,10 @@ __all__ = [
     "mode_options",
     "cpp_compiler_problem",
     "inductor_config_keys",
+    "op_writes",
+    "RowDispatchMode",
+    "static_fake_mode",
+    "is_fake",
     "dynamo_registry",
     "lookup_backend",
     "is_dynamo_signal",
@@ -372,6 +381,51 @@ def op_name(obj: Any) -> str | None:
     if isinstance(obj, torch._ops.HigherOrderOperator):
         return f"higher_order::{obj.name()}"
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def op_writes(op: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The arguments ``op`` (an ``OpOverload``) writes, from its schema: (positions, keyword names).
+
+    ``aten::add_.Tensor(Tensor(a!) self, ...)`` writes position 0; an ``out=``
+    variant writes its keyword-only ``out`` (which may also come positionally).
+    Cached per op: the row analysis asks for every op it sees.
+    """
+    try:
+        arguments = op._schema.arguments
+    except AttributeError:
+        return (), ()
+    pos: list[int] = []
+    names: list[str] = []
+    for i, a in enumerate(arguments):
+        info = a.alias_info
+        if info is not None and info.is_write:
+            names.append(a.name)
+            pos.append(i)
+    return tuple(pos), tuple(names)
+
+
+class RowDispatchMode(TorchDispatchMode):
+    """The dispatch mode the row analysis traces with, without the wrapper that keeps dynamo out of
+    ``__torch_dispatch__`` (torch 2.12+: a frame hook per op, a fifth of the mode's cost). Nothing
+    here is compiled, so the wrapper protects nothing."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+
+def static_fake_mode() -> Any:
+    """A fresh fake-tensor mode with static shapes (no shape environment: nothing guards dynamo's frames)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode  # heavy: only the compile backend gets here
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def is_fake(t: Any) -> bool:
+    """Whether ``t`` is a fake tensor (dynamo's example values; no data to read)."""
+    mod = sys.modules.get("torch._subclasses.fake_tensor")
+    return mod is not None and isinstance(t, mod.FakeTensor)
 
 
 def generated_forward(gm: torch.fx.GraphModule) -> Callable[..., Any]:

@@ -20,6 +20,7 @@ import time
 import weakref
 from typing import Any
 
+from .fallbacks import Fallback
 from .log import fallback_logger, forget_logged, log_once
 
 __all__ = [
@@ -155,19 +156,23 @@ def record_capture_failure() -> None:
         _reg.capture_failures += 1
 
 
-def record_fallback(reason: str, detail: str = "", *, level: int = logging.WARNING) -> None:
-    """Count one eager fallback under ``reason``; log it once per (reason, detail).
+def record_fallback(fallback: Fallback) -> None:
+    """Count one fallback under ``fallback.reason``; log it once per (reason, detail).
 
-    The notice goes to the ``gfxgraph.fallback`` logger, at WARNING unless the
-    cause is an expected one (``level``): with logging unconfigured it reaches
-    stderr through ``logging.lastResort``.
+    An eager fallback, or a refusal to pad (the work then runs in exact-size
+    graphs or unpadded). The notice goes to the ``gfxgraph.fallback`` logger at
+    ``fallback.level``: with logging unconfigured a WARNING reaches stderr
+    through ``logging.lastResort``.
     """
+    reason = fallback.reason.value
     with _reg.lock:
         _reg.fallback_reasons[reason] = _reg.fallback_reasons.get(reason, 0) + 1
+    detail = fallback.detail
     log_once(
         ("fallback", reason, detail),
-        level,
-        "gfxgraph: running eagerly (reason: %s)%s",
+        fallback.level,
+        "gfxgraph: not padding (reason: %s)%s" if fallback.reason.refuses_padding
+        else "gfxgraph: running eagerly (reason: %s)%s",
         reason,
         f": {detail}" if detail else "",
         target=fallback_logger,

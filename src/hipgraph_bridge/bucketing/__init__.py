@@ -1,9 +1,8 @@
-"""Dynamic batch sizes: one graph per batch-size bucket, padded inputs, one memory pool."""
+"""Dynamic batch sizes: one graph per batch-size bucket, padded where proven sound, one memory pool."""
 
 from __future__ import annotations
 
-from .buckets import BucketTable, default_buckets, validate_buckets
-from .pool import ShapeBucketPool
-from .ranks import RankAgreement
+from .options import PoolOptions
+from .pool import AgreedShapeBucketPool, ShapeBucketPool
 
-__all__ = ["ShapeBucketPool", "RankAgreement", "BucketTable", "default_buckets", "validate_buckets"]
+__all__ = ["ShapeBucketPool", "AgreedShapeBucketPool", "PoolOptions"]

@@ -1,46 +1,19 @@
-"""ShapeBucketPool: one graph per batch-size bucket, padded inputs, one memory pool.
+"""ShapeBucketPool: one graph per batch-size bucket, padding where it is proven sound, one memory pool.
 
 Serving stacks capture one graph per batch size and pad each request up to
 the next captured size; ``torch.compile(mode="reduce-overhead")`` re-records a
-graph per new shape instead. This is the bucketing done once, as an object.
+graph per new shape instead. This is the bucketing done once, as an object:
+a small façade over its collaborators:
 
-Workflow of a call ``pool(*args, **kwargs)``:
+* :class:`~.options.PoolOptions`: every option, checked once, frozen;
+* :mod:`~hipgraph_bridge.padding.layout`: the call's layout, fixed by the first call
+  (``TypeError``/``ValueError`` naming what was expected for a call that differs);
+* :class:`~.engine.BucketEngine`: the calls themselves (replay, capture on first
+  use, the row analysis that decides padding, the padding check, eager fallbacks);
+* a :class:`~hipgraph_bridge.ranks.decider.Decider`: alone, or with every rank of
+  a process group (:class:`AgreedShapeBucketPool`, made when ``process_group`` is given).
 
-1. Flatten the arguments and check them against the layout the first call
-   fixed (:mod:`.layout`).
-2. Pick the smallest bucket ``b >= B`` (:mod:`.buckets`). ``B`` above the largest
-   bucket runs eagerly (reason ``oversize``) or raises with ``oversize="error"``.
-3. Copy the tensors into the static buffers; rows ``[B, b)`` hold ``pad_value``
-   (filled only when an earlier, larger call left real rows there: :mod:`.buffers`).
-4. Replay the bucket's graph. On a bucket's first use, warm up and capture
-   it instead (:mod:`.capture`): the last warm-up run *is* this call's run,
-   so with the default ``warmup_iters=1`` every call runs the model exactly
-   once, and state the model advances (a KV cache's write position) moves as
-   in eager mode. A capture that fails after the warm-up returns the
-   warm-up's result when the batch filled the bucket. The model runs more
-   than once for a call only with ``warmup_iters > 1``, outputs that differ
-   between warm-up and capture, the probe run of :mod:`.outputs`, a bucket's
-   first padded call (checked against eager, :mod:`.padding`) or validation
-   mode; never for a ``stateful`` model.
-5. Return the outputs sliced back to ``B`` rows, copied (``copy_outputs=True``,
-   the default): every graph's output memory is handed back to the shared
-   pool after capture, so 36 buckets cost about what the largest alone does,
-   and any call may overwrite the static outputs of every bucket.
-
-:meth:`~ShapeBucketPool.static_io` skips steps 1, 3 and 5's copies: the caller
-writes into the buffers and reads the outputs in place (:mod:`.static_io`).
-
-Eager calls (no GPU, oversize, a failed bucket) run the model on the caller's
-own arguments; a padded call never returns what eager would not (:mod:`.padding`).
-Calls are serialised by a lock, and one from another stream waits for the
-previous one. :meth:`~ShapeBucketPool.capture_all` runs the model on the
-example arguments: reset model state after it.
-
-With ``process_group=`` (a model that calls torch.distributed collectives)
-every rank makes each of these decisions together (:mod:`.ranks`,
-:mod:`.agreed`): step 2 starts with a host round that agrees the batch size,
-and a bucket's capture, VRAM-cap check, padding check and output probe end
-with one, so no rank ever replays a graph while a peer runs eagerly.
+Calls are serialised by a lock; one from another stream waits for the previous one.
 """
 
 from __future__ import annotations
@@ -54,57 +27,45 @@ from typing import Any, Literal
 import torch
 from tqdm.auto import tqdm
 
-from .. import config
-from ..config import check_vram_cap, read_vram_cap
+from .. import config, stats
+from .._torch_compat import pytree
 from ..errors import RankAgreementError
-from ..graph.capture import check_capture_mode, frozen_gc
+from ..fallbacks import Fallback, Reason
+from ..graph.capture import frozen_gc
 from ..log import logger
-from ..platform import probe
+from ..padding.layout import BATCHED, CallLayout, QuickPlan, classify
+from ..padding.rows import RowVerdict
+from ..padding.staging import StaticInputs
+from ..ranks.agreement import Round
+from ..ranks.decider import AgreedDecider, Decider, decider_for
 from ..tree import clone_tree
-from .agreed import agreed_probe, narrow_rows, pad_rows, slice_rows
-from .buckets import BucketTable, default_buckets, validate_buckets
-from .calls import BucketCalls
-from .capture import BucketCapturer
-from .entry import Bucket
-from .buffers import StaticInputs
-from .layout import CallLayout, QuickPlan, classify
-from .options import check_pool_options
-from .ordering import CallOrder
-from .outputs import BatchedOutputs, check_batched_outputs, learn_output_layout, probe_sizes
-from .padding import PaddingGuard
-from .ranks import RankAgreement, RankSession, Round, as_agreement
+from .engine import BucketEngine
+from .options import BatchedOutputs, PoolOptions
 from .static_io import StaticIO, guard_outputs
 
-__all__ = ["ShapeBucketPool"]
+__all__ = ["ShapeBucketPool", "AgreedShapeBucketPool"]
 
 
-def _agreement(process_group: Any, *, stateful: bool) -> RankAgreement | None:
-    agreement = as_agreement(process_group)
-    if agreement is not None and agreement.batch == "max" and stateful:
-        raise ValueError("process_group with batch='max' and stateful=True: a stateful model is never padded, and "
-                         "'max' grows a rank's batch with padding rows; expected batch='equal' or 'trusted' for a "
-                         "stateful model")
-    return agreement
-
-
-class ShapeBucketPool(BucketCalls):
+class ShapeBucketPool:
     """Callable pool of graphs, one per batch-size bucket; see the module docstring.
 
     Args:
         model_fn: the model; called as ``model_fn(*args, **kwargs)``.
         buckets: batch sizes to capture (validated, sorted, de-duplicated);
-            default :func:`default_buckets` up to ``max_batch_size`` (256; give one or the other).
-        batch_dim: the dimension that carries the batch in inputs and outputs.
+            default :func:`~hipgraph_bridge.graph.buckets.default_buckets` up to
+            ``max_batch_size`` (256; give one or the other).
+        batch_dim: the dimension that carries the batch in the inputs.
         static_args: positions (ints) or keyword names (strs) of tensor arguments
             without a batch dimension; they are copied into static buffers each call.
-        pad_value: value of the padding rows (default 0); None leaves them as they are.
+        pad_value: the value padding rows are filled with (default 0); None leaves
+            them as the first call found them (zeros).
         copy_outputs: return copies (default). ``False`` returns views of the
             graph's static outputs: fastest, but overwritten by the next call.
         oversize: ``"eager"`` (default) runs a batch above the largest bucket
             eagerly, counted and logged once; ``"error"`` raises ``ValueError``.
-        warmup_iters: eager runs on the capture stream before each capture; on a
-            bucket's first call the last one is that call's run (default 1: the
-            model runs once per call). 0 captures without warm-up, then replays.
+        warmup_iters: runs of the model before a bucket's capture (default 1). On a
+            bucket's first call the first of them is the call's own run, at its own
+            batch size, and answers it; 0 captures without warm-up, then replays.
         vram_cap: fraction of device memory; a capture that would pass it runs
             eagerly instead (reason ``vram_cap``). Default: ``GFXGRAPH_VRAM_CAP`` or 0.90.
         capture_error_mode: passed to ``capture_begin``; ``"thread_local"`` (default) keeps
@@ -112,28 +73,39 @@ class ShapeBucketPool(BucketCalls):
         generators: extra ``torch.Generator``\\ s to register with every graph so
             their random streams advance per replay (the default generator always is).
         progress: show a tqdm bar in :meth:`capture_all`.
-        batched_outputs: one flag per output leaf saying whether it carries the batch,
-            or a function of the outputs returning them. Default: learnt with one
-            extra eager run at another batch size (:mod:`.outputs`).
-        stateful: the model writes state it keeps (a static KV cache): it is never
-            run twice for one call (no validation re-run, no padding check, no output
-            probe) and never padded: a batch that is not a bucket gets a graph of exactly
-            its size on first use (as ``reduce-overhead`` records one per shape), sharing the pool.
+        batched_outputs: one flag per output leaf saying whether it carries the batch
+            (in ``batch_dim``), or a function of the outputs returning them. Default:
+            read from the trace of the model's first run.
+        stateful: None (default): found by the trace (a write to a tensor the call did
+            not create: a buffer, a parameter, a KV cache a closure holds; or to its own
+            inputs). A stateful model runs once per call (no second warm-up, no check,
+            no validation re-run) and is never padded: each batch size gets a graph of
+            exactly its size, in the same memory pool. True or False overrides the trace.
+        rows_independent: None (default): padding is applied only where the trace
+            proves rows independent, and each bucket's padding is checked on its first
+            padded call. True vouches for a model the trace cannot see through (an op it
+            does not know, a host read): it is padded, and the check still runs; the risk
+            is a model whose rows interact in a way no padding content shows (the batch
+            size used as a value, a coupling the poisons happen to miss), which then
+            returns wrong rows silently. False never pads.
         simulate_padding: without a GPU, run calls the way a replay would (padded
             static buffers, sliced outputs) instead of on your own arguments: for
             checking what padding does to a model, on any machine. Off by default.
         process_group: for a model that calls torch.distributed collectives: a
-            ``ProcessGroup`` or a :class:`~.ranks.RankAgreement` (which says how batch
-            sizes are agreed, and the timeout). Every rank then picks the same bucket,
-            captures in the same order, and falls back together: a capture, VRAM-cap
-            refusal or padding check that fails on one rank makes every rank run that
-            bucket eagerly, with the reason naming the rank (:mod:`.ranks`). Costs one
-            host round per call. Build the pools in the same order on every rank.
+            ``ProcessGroup`` or a :class:`~hipgraph_bridge.RankAgreement`. Every rank then
+            picks the same bucket, captures in the same order, pads or not together,
+            and falls back together (:mod:`hipgraph_bridge.ranks`). Costs one host
+            round per call. Build the pools in the same order on every rank.
 
-    Padding rules (stateful models, a model whose rows interact): :mod:`.padding`.
-    Inputs that require grad, with grad mode on, run eagerly (reason ``grad``):
-    graphs here are for inference; use ``torch.cuda.make_graphed_callables`` to train.
+    Padding, state and the model's Python: :mod:`.engine`. Inputs that require
+    grad, with grad mode on, run eagerly (reason ``grad``): graphs here are for
+    inference; use ``torch.cuda.make_graphed_callables`` to train.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> ShapeBucketPool:
+        if cls is ShapeBucketPool and kwargs.get("process_group") is not None:
+            cls = AgreedShapeBucketPool
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -152,145 +124,129 @@ class ShapeBucketPool(BucketCalls):
         generators: Sequence[torch.Generator] = (),
         progress: bool = True,
         batched_outputs: BatchedOutputs = None,
-        stateful: bool = False,
+        stateful: bool | None = None,
+        rows_independent: bool | None = None,
         simulate_padding: bool = False,
         process_group: Any = None,
     ) -> None:
-        check_pool_options(model_fn, buckets, max_batch_size, batch_dim, oversize, warmup_iters, pad_value,
-                           static_args, generators, copy_outputs=copy_outputs, progress=progress, stateful=stateful,
-                           simulate_padding=simulate_padding)
+        _check_model(model_fn)
+        opts = PoolOptions.create(buckets, max_batch_size=max_batch_size, batch_dim=batch_dim,
+                                  static_args=static_args, pad_value=pad_value, copy_outputs=copy_outputs,
+                                  oversize=oversize, warmup_iters=warmup_iters, vram_cap=vram_cap,
+                                  capture_error_mode=capture_error_mode, generators=generators, progress=progress,
+                                  batched_outputs=batched_outputs, stateful=stateful,
+                                  rows_independent=rows_independent, simulate_padding=simulate_padding,
+                                  process_group=process_group)
+        self._setup(model_fn, opts, verdict=None, what="ShapeBucketPool")
+
+    @classmethod
+    def from_options(cls, model_fn: Callable[..., Any], options: PoolOptions, *, verdict: RowVerdict | None = None,
+                     what: str = "ShapeBucketPool") -> ShapeBucketPool:
+        """A pool from checked options (the compile backend's), with the row analysis given when known."""
+        _check_model(model_fn)
+        self = super().__new__(AgreedShapeBucketPool if options.process_group is not None else cls)
+        self._setup(model_fn, options, verdict=verdict, what=what)
+        return self
+
+    def _setup(self, model_fn: Callable[..., Any], opts: PoolOptions, *, verdict: RowVerdict | None,
+               what: str) -> None:
         self.model_fn = model_fn
-        self.buckets: list[int] = (validate_buckets(buckets) if buckets is not None
-                                   else default_buckets(256 if max_batch_size is None else max_batch_size))
-        self.max_bucket = self.buckets[-1]
-        self.batch_dim = batch_dim
-        self.static_args = frozenset(static_args)
-        self.pad_value = pad_value
-        self.copy_outputs = copy_outputs
-        self.oversize = oversize
-        self.warmup_iters = warmup_iters
-        self.progress = progress
-        self.batched_outputs = check_batched_outputs(batched_outputs)
-        self.stateful = stateful
-        self.simulate_padding = simulate_padding
-        agreement = _agreement(process_group, stateful=stateful)
-        self._ranks: RankSession | None = None if agreement is None else agreement.session("ShapeBucketPool")
-        self._padding = PaddingGuard(stateful=stateful, ranks=self._ranks)
-        self._classify = functools.partial(classify, batch_dim=batch_dim, static_args=self.static_args)
-        # a stateful model is never padded: a batch that is not a bucket gets a graph of exactly its rows
-        self._table = BucketTable(self.buckets, exact=stateful)
-        self.vram_cap = read_vram_cap() if vram_cap is None else check_vram_cap(vram_cap)
-        self.capture_error_mode = check_capture_mode(capture_error_mode)
-        self.generators = tuple(generators)
-        self._capturer = BucketCapturer(warmup_iters=warmup_iters, vram_cap=self.vram_cap,
-                                        capture_error_mode=self.capture_error_mode, generators=self.generators)
-        self._graphs_available = probe().graphs_available
+        self.options = opts
+        self._what = what
+        self._decider: Decider = decider_for(opts.process_group, what)
+        self._engine = BucketEngine(model_fn, opts, self._decider, what=what, verdict=verdict)
+        self._classify = functools.partial(classify, batch_dim=opts.batch_dim, static_args=opts.static_args)
         self._lock = threading.RLock()
-        self._inputs: StaticInputs | None = None
         self._quick: QuickPlan | None = None  # the hot path's flattening, for plain positional layouts
-        self._entries: dict[tuple[int, tuple[Hashable, ...]], Bucket] = {}
-        self._out_flags: dict[tuple[Hashable, ...], tuple[bool, ...]] = {}  # learnt batched-output flags
-        self._order = CallOrder()
-        self._last_eager: Any = None  # under the lock: the result of a call that _replay/_first_call ran eagerly
         self._epoch = [0]  # debug mode: calls so far; an output view from an earlier one is stale
+
+    # ------------------------------------------------------------------ options
+    @property
+    def buckets(self) -> list[int]:
+        return list(self.options.buckets)
+
+    @property
+    def max_bucket(self) -> int:
+        return self.options.buckets[-1]
+
+    @property
+    def batch_dim(self) -> int:
+        return self.options.batch_dim
+
+    @property
+    def copy_outputs(self) -> bool:
+        return self.options.copy_outputs
+
+    @property
+    def stateful(self) -> bool:
+        """Whether the model writes state it keeps (given, or found by the trace of its first call)."""
+        return self.options.stateful if self.options.stateful is not None \
+            else any(ks.stateful for ks in self._engine.keys.values())
 
     @property
     def capture_seconds(self) -> float:
         """Seconds spent capturing this pool's graphs (warm-ups included)."""
-        return self._capturer.seconds
+        return self._engine.capturer.seconds
 
     # ------------------------------------------------------------------ call
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the model on this batch through its bucket's graph; see the module docstring.
+        """Run the model on this batch through its bucket's graph; see :mod:`.engine`.
 
         Cost over a hand-written bucket loop: checking the arguments against the
-        layout, one lock, one dict lookup (and one host round with the other
-        ranks under ``process_group``). Raises ``TypeError``/``ValueError`` for
+        layout, one lock, two dict lookups. Raises ``TypeError``/``ValueError`` for
         arguments that do not fit the pool (naming what was expected).
         """
-        if self._ranks is not None:
-            return self._agreed_call(self._ranks, args, kwargs)
         quick = self._quick
         matched = quick.match(args) if quick is not None and not kwargs else None
         classified = None if matched is not None else self._classify(args, kwargs)  # outside the lock
         with self._lock:
+            engine = self._engine
             if matched is not None and self._quick is quick:
-                leaves, batch = matched
-                inputs = self._inputs
-                assert inputs is not None  # a quick plan exists only with fixed inputs
-                return self._call(inputs, leaves, batch, args, kwargs)
+                if config.switches.debug:
+                    self._epoch[0] += 1
+                return engine.call(engine.inputs, matched[0], matched[1], args, kwargs,  # type: ignore[arg-type]
+                                   self.options.copy_outputs)
             # the first call, another layout, inputs that require grad, or the pool was closed meanwhile
             return self._classified_call(args, kwargs, *(classified or self._classify(args, kwargs)))
 
     def _classified_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any],
-                         layout: CallLayout, batch: int) -> Any:
+                         layout: CallLayout, batch: int, copy: bool | None = None) -> Any:
         with self._lock:
             if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
                 return self._with_grad(args, kwargs)
-            first = self._inputs is None
+            if config.switches.debug:
+                self._epoch[0] += 1
+            engine = self._engine
+            first = engine.inputs is None
             inputs = self._fixed_inputs(leaves, layout)
             try:
-                return self._call(inputs, leaves, batch, args, kwargs)
+                return engine.call(inputs, leaves, batch, args, kwargs,
+                                   self.options.copy_outputs if copy is None else copy)
             except BaseException:
-                if first and not self._entries:  # a first call that failed does not fix the layout
-                    self._inputs, self._quick = None, None
+                if first and not engine.entries:  # a first call that failed does not fix the layout
+                    engine.inputs, self._quick = None, None
+                    engine.keys.clear()
                 raise
 
-    def _agreed_call(self, ranks: RankSession, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A call under a rank agreement: the batch round, then the call at the agreed batch size.
+    def _with_grad(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        stats.record_fallback(_GRAD)
+        return self.model_fn(*args, **kwargs)
 
-        Arguments that do not fit raise on this rank after telling the others
-        (they raise too). Under ``batch="max"`` a rank with fewer rows than the
-        agreed batch is grown to it with ``pad_value`` rows and its outputs cut back.
-        """
-        try:
-            leaves, layout, batch = self._classify(args, kwargs)
-            inputs = self._inputs
-            if inputs is not None and layout != inputs.layout:
+    def _fixed_inputs(self, leaves: list[Any], layout: CallLayout) -> StaticInputs:
+        """The static inputs of the fixed layout; the first call fixes it (allocating the buffers)."""
+        engine = self._engine
+        inputs = engine.inputs
+        if inputs is not None:
+            if layout != inputs.layout:
                 inputs.layout.check_matches(layout)
-        except BaseException as exc:
-            if ranks.batch_rule != "trusted":  # the peers wait in this call's batch round
-                ranks.leave(Round.BATCH, 0, exc)
-            raise
-        agreed, sizes = ranks.agree_batch(batch)
-        if sizes and min(sizes) < agreed and (self._padding.row_coupled or config.switches.validate):
-            # every rank sees the same sizes, so every rank raises here: a grown call is never compared with
-            # a rank's own rows, and with rows that interact (or every result checked) it could differ unreported
-            each = ", ".join(f"rank {r}: {n}" for r, n in enumerate(sizes))
-            raise RankAgreementError(f"batch='max' grows the smaller ranks' calls ({each}) to {agreed} rows, but "
-                                     "this model's rows interact (or validation mode is on), so a grown call "
-                                     "cannot be checked against eager; expected batch='equal' with one batch size")
-        if not sizes or min(sizes) == agreed:
-            return self._classified_call(args, kwargs, leaves, layout, batch)
-        grown = pad_rows(layout, leaves, agreed, batch_dim=self.batch_dim, pad_value=self.pad_value)
-        a, k = layout.rebuild(grown)
-        out = self._classified_call(a, k, grown, layout, agreed)
-        flags = self._agreed_flags(ranks, out, layout, grown, agreed, sizes)  # on every rank: it may run the model
-        return out if batch == agreed else slice_rows(out, flags, batch, batch_dim=self.batch_dim)
-
-    def _agreed_flags(self, ranks: RankSession, out: Any, layout: CallLayout, leaves: list[Any], rows: int,
-                      sizes: tuple[int, ...]) -> tuple[bool, ...]:
-        """Which outputs carry the batch, to cut a grown call back (learnt with every rank if not known yet)."""
-        consts = layout.consts(leaves) if layout.has_consts else ()
-        with self._lock:
-            flags = self._out_flags.get(consts)
-            if flags is not None:
-                return flags
-
-            def run_at(n: int) -> Any:
-                a, k = layout.rebuild(narrow_rows(layout, leaves, n, batch_dim=self.batch_dim))
-                return self.model_fn(*a, **k)
-
-            probe = functools.partial(agreed_probe, ranks, run_at, probe_sizes(rows, rows))
-            learnt = learn_output_layout(out, rows, batch_dim=self.batch_dim, given=self.batched_outputs,
-                                         known=None, probe=probe)
-            if learnt.batched is None:
-                each = ", ".join(f"rank {r}: {n}" for r, n in enumerate(sizes))
-                raise ValueError(f"ShapeBucketPool: the ranks' batch sizes differ ({each}) and which outputs "
-                                 "carry the batch could not be learnt, so they cannot be cut back; expected "
-                                 "batched_outputs= (one flag per output leaf)")
-            self._out_flags[consts] = learnt.batched
-            return learnt.batched
+            return inputs
+        if engine.graphs:
+            layout.check_on("cuda")
+        inputs = engine.inputs = StaticInputs(layout, leaves, engine.padded_table, batch_dim=self.options.batch_dim,
+                                              pad_value=self.options.pad_value)
+        if QuickPlan.applies(layout):
+            self._quick = QuickPlan(layout, leaves, self.options.batch_dim)
+        return inputs
 
     def capture_all(self, *example_args: Any, **example_kwargs: Any) -> dict[str, Any]:
         """Capture every bucket now, largest first (so smaller ones reuse its memory).
@@ -299,26 +255,32 @@ class ShapeBucketPool(BucketCalls):
         repeated into the buffers). Shows a tqdm bar when ``progress``; the
         garbage collector stays frozen for the whole run. Logs and returns the
         time and graph-pool memory it took. Buckets that fail run eagerly later.
+        Runs the model ``warmup_iters + 1`` times per bucket on the example rows
+        (the first capture traced): reset model state after it.
         """
         leaves, layout, batch = self._classify(example_args, example_kwargs)
         with self._lock:
+            engine = self._engine
             inputs = self._fixed_inputs(leaves, layout)
             inputs.fill_example(leaves, batch)
-            consts = inputs.layout.consts(leaves)
-            todo = [b for b in reversed(self.buckets) if (b, consts) not in self._entries]
-            t0, free_before = time.perf_counter(), torch.cuda.mem_get_info()[0] if self._graphs_available else 0
+            key = inputs.layout.consts(leaves) if inputs.layout.has_consts else ()
+            todo = [b for b in reversed(self.options.buckets) if (b, key) not in engine.entries]
+            graphs = engine.graphs
+            t0, free_before = time.perf_counter(), torch.cuda.mem_get_info()[0] if graphs else 0
             with frozen_gc():
                 for b in tqdm(todo, desc="gfxgraph capture", unit="graph", leave=False,
-                              disable=not (self.progress and len(todo) > 1)):
-                    self._capture(b, (b, consts), leaves, keep_warm=False, freeze_gc=False)
+                              disable=not (self.options.progress and len(todo) > 1)):
+                    engine.capture_ahead(inputs, leaves, b, key)
             seconds = time.perf_counter() - t0
             report = {"buckets": len(todo), "seconds": seconds, "pool_bytes": self.pool_bytes(),
-                      "captured": sum(1 for b in todo if self._entries[(b, consts)].graph is not None),
+                      "captured": sum(1 for b in todo if (b, key) in engine.entries
+                                      and engine.entries[(b, key)].graph is not None),
                       "device_bytes_used": (free_before - torch.cuda.mem_get_info()[0]) if free_before else 0}
         logger.info("gfxgraph: captured %d/%d buckets in %.2f s; graph pool %.1f MiB",
                     report["captured"], report["buckets"], seconds, report["pool_bytes"] / 2**20)
         return report
 
+    # ------------------------------------------------------------------ zero-copy calls
     def static_io(self, batch_size: int) -> StaticIO:
         """The zero-copy way to call this pool at ``batch_size`` rows (:mod:`.static_io`).
 
@@ -328,47 +290,45 @@ class ShapeBucketPool(BucketCalls):
         constant (non-tensor) arguments. Raises ``ValueError`` for a batch size
         outside ``[1, largest bucket]``; a ``StaticIO`` of a closed pool raises on ``run()``.
         """
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= self.max_bucket:
-            above = isinstance(batch_size, int) and batch_size > self.max_bucket
-            raise ValueError(f"batch_size: expected an int in [1, {self.max_bucket}], got {batch_size!r}"
-                             + (f" (above the largest bucket {self.max_bucket})" if above else ""))
+        largest = self.max_bucket
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= largest:
+            above = isinstance(batch_size, int) and batch_size > largest
+            raise ValueError(f"batch_size: expected an int in [1, {largest}], got {batch_size!r}"
+                             + (f" (above the largest bucket {largest})" if above else ""))
         with self._lock:
-            inputs = self._inputs
+            inputs = self._engine.inputs
             if inputs is None:
                 raise RuntimeError("static_io(): the call layout is not fixed yet; call the pool once or "
                                    "capture_all(example arguments) first")
             if inputs.layout.has_consts:
                 raise ValueError(f"static_io(): expected tensor arguments only, got the layout "
                                  f"{inputs.layout.describe()}; non-tensor arguments need the ordinary call")
-            return StaticIO(self._run_io, inputs, batch_size, self._table[batch_size])
+            return StaticIO(self._run_io, inputs, batch_size)
 
     def _run_io(self, io: StaticIO) -> Any:
-        if self._ranks is not None:  # zero-copy views have fixed rows: every rank must run this size
-            self._ranks.agree_batch(io.batch_size, exact=True)
         fast, switches = io.fast, config.switches
         if fast is not None and not (switches.validate or switches.debug):
             with self._lock:
-                inputs, padded = self._inputs, fast[2]
-                # still this pool's buffers, the padding still clean, and padded calls still allowed
-                if inputs is io.inputs and not (padded and (inputs.dirty > io.batch_size or self._padding.row_coupled)):
+                engine = self._engine
+                inputs = engine.inputs
+                # still this pool's buffers and decisions, and the padding still clean
+                if inputs is io.inputs and fast[3] == engine.generation and not (fast[2] and
+                                                                                   inputs.dirty > io.batch_size):
                     if inputs.dirty < io.batch_size:
                         inputs.dirty = io.batch_size  # the caller wrote its rows
-                    self._order.after_previous()
+                    engine.order.after_previous()
                     fast[0]()
                     return fast[1]
         with self._lock:
-            if self._inputs is not io.inputs:
+            engine = self._engine
+            if engine.inputs is not io.inputs:
                 raise RuntimeError(f"{io!r}: its pool was closed and its buffers released; ask pool.static_io() "
                                    "again")
             if switches.debug:
                 io.check_intact()
-            out = self._call(io.inputs, io.leaves, io.batch_size, io.args, io.kwargs, copy=False)
-            entry = self._entries.get((io.bucket, ()))
-            if entry is not None and entry.graph is not None and entry.layout is not None \
-                    and (io.batch_size == io.bucket or entry.padding_checked) \
-                    and out is entry.layout.result(entry.outputs, io.batch_size, batch_dim=self.batch_dim,
-                                                   copy=False, cache=True):
-                io.fast = (entry.graph.replay, out, io.batch_size < io.bucket)  # later runs skip the checks
+                self._epoch[0] += 1
+            out = engine.call(io.inputs, io.leaves, io.batch_size, io.args, io.kwargs, False)
+            io.fast = engine.fast_io(io.batch_size, out)
             return guard_outputs(out, self._epoch) if switches.debug else out
 
     def replay_buffers(self, batch_size: int) -> Any:
@@ -377,54 +337,139 @@ class ShapeBucketPool(BucketCalls):
         As :meth:`static_io` ``(batch_size).run()``, copied unless ``copy_outputs=False``.
         """
         out = self.static_io(batch_size).run()
-        return clone_tree(out) if self.copy_outputs else out
+        return clone_tree(out) if self.options.copy_outputs else out
 
-    # ------------------------------------------------------------ introspect
+    # ------------------------------------------------------------------ introspection
     @property
     def captured_buckets(self) -> list[int]:
-        """Buckets with a captured graph (any constant-argument key)."""
-        return sorted({b for (b, _), e in self._entries.items() if e.graph is not None})
+        """Sizes with a captured graph (buckets, and exact sizes of an unpadded model), any constant key."""
+        return sorted({b for (b, _), e in self._engine.entries.items() if e.graph is not None})
 
     @property
     def failed_buckets(self) -> dict[int, str]:
-        """Buckets that run eagerly, with the reason."""
-        return {b: f"{e.reason}: {e.failed}" for (b, _), e in self._entries.items() if e.failed is not None}
+        """Sizes that run eagerly, with the reason."""
+        return {b: str(e.fallback) for (b, _), e in self._engine.entries.items() if e.fallback is not None}
 
     def bucket_for(self, batch_size: int) -> int | None:
-        """The bucket a batch of ``batch_size`` rows runs in; None when above the largest."""
-        return self._table.bucket_for(batch_size)
+        """The graph size a batch of ``batch_size`` rows runs in (with no constant arguments); None above the largest."""
+        ks = self._engine.keys.get(())
+        table = self._engine.padded_table if ks is not None and ks.padded else self._engine.exact_table
+        return table.bucket_for(batch_size) if ks is not None else self._engine.padded_table.bucket_for(batch_size)
 
     def pool_bytes(self) -> int:
         """Bytes reserved by this pool's graphs, as the caching allocator reports them."""
-        return self._capturer.pool_bytes()
+        return self._engine.capturer.pool_bytes()
+
+    @property
+    def unpadded(self) -> Mapping[tuple[Hashable, ...], Fallback]:
+        """Constant-argument keys that are not padded, with the reason (exact-size graphs serve them)."""
+        return self._engine.unpadded()
 
     @property
     def row_coupled(self) -> Mapping[tuple[Hashable, ...], str]:
-        """Constant-argument keys whose padded calls run eagerly because padding changed a result."""
-        return self._padding.row_coupled
+        """Keys not padded because their rows interact (the trace, or the padding check, showed it)."""
+        return {k: f.detail for k, f in self._engine.unpadded().items()
+                if f.reason in (Reason.ROWS_COUPLED, Reason.PADDING_CHANGES_RESULTS)}
 
     @property
     def pool_handle(self) -> Any:
         """The shared memory-pool handle (None before the first capture)."""
-        return self._capturer.pool_handle
+        return self._engine.capturer.pool_handle
 
     @property
     def static_inputs(self) -> list[Any]:
         """The static buffers, per argument leaf (None for constants; empty before the first call)."""
-        return [] if self._inputs is None else list(self._inputs.buffers)
+        inputs = self._engine.inputs
+        return [] if inputs is None else list(inputs.buffers)
 
     def close(self) -> None:
         """Release every graph and static buffer. The pool can be used again (it re-captures)."""
         with self._lock:
-            for entry in self._entries.values():
-                if entry.graph is not None:
-                    entry.graph.reset()
-            self._entries.clear()
-            self._inputs, self._quick = None, None
-            self._order.forget()
-            self._capturer.forget_growth()
-            self._out_flags.clear()
+            self._engine.close()
+            self._quick = None
 
     def __repr__(self) -> str:
-        return (f"ShapeBucketPool(buckets={self.buckets}, captured={self.captured_buckets}, "
+        return (f"{type(self).__name__}(buckets={self.buckets}, captured={self.captured_buckets}, "
                 f"failed={sorted(self.failed_buckets)})")
+
+
+_GRAD = Fallback(Reason.GRAD, "inputs require grad with grad mode on: the model runs eagerly, backward included "
+                 "(graphs here are for inference: call under torch.no_grad() or torch.inference_mode(), or graph "
+                 "training with torch.cuda.make_graphed_callables)")
+
+
+def _check_model(model_fn: Any) -> None:
+    if isinstance(model_fn, type):
+        raise TypeError(f"model_fn: expected a callable model (a module instance or a function), got the class "
+                        f"{model_fn.__name__} itself; instantiate it first, e.g. {model_fn.__name__}(...)")
+    if not callable(model_fn):
+        raise TypeError(f"model_fn: expected a callable, got {type(model_fn).__name__}")
+
+
+class AgreedShapeBucketPool(ShapeBucketPool):
+    """A pool whose every decision is taken with the other ranks of its process group (:mod:`hipgraph_bridge.ranks`).
+
+    Each call starts with a host round that agrees the batch size (not with
+    ``batch="trusted"``); under ``batch="max"`` a rank with fewer rows is grown
+    to the agreed batch with ``pad_value`` rows and its outputs cut back.
+    """
+
+    _decider: AgreedDecider
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        decider = self._decider
+        try:
+            leaves, layout, batch = self._classify(args, kwargs)
+            inputs = self._engine.inputs
+            if inputs is not None and layout != inputs.layout:
+                inputs.layout.check_matches(layout)
+        except BaseException as exc:
+            if decider.batch_rule != "trusted":  # the peers wait in this call's batch round
+                decider.leave(Round.BATCH, 0, exc)
+            raise
+        agreed, sizes = decider.agree_batch(batch)
+        ks = self._engine.keys.get(layout.consts(leaves) if layout.has_consts else ())
+        if sizes and min(sizes) < agreed and (ks is not None and ks.decided and not ks.padded
+                                              or config.switches.validate):
+            # every rank sees the same sizes, so every rank raises here: a grown call is never compared with
+            # a rank's own rows, and with rows that interact (or every result checked) it could differ unreported
+            each = ", ".join(f"rank {r}: {n}" for r, n in enumerate(sizes))
+            raise RankAgreementError(f"batch='max' grows the smaller ranks' calls ({each}) to {agreed} rows, but "
+                                     "this model is not padded (or validation mode is on), so a grown call "
+                                     "cannot be checked against eager; expected batch='equal' with one batch size")
+        if not sizes or min(sizes) == agreed:
+            return self._classified_call(args, kwargs, leaves, layout, batch)
+        grown = _pad_rows(layout, leaves, agreed, batch_dim=self.options.batch_dim, pad_value=self.options.pad_value)
+        a, k = layout.rebuild(grown)
+        out = self._classified_call(a, k, grown, layout, agreed)
+        if batch == agreed:
+            return out
+        ks = self._engine.keys.get(layout.consts(leaves) if layout.has_consts else ())
+        rows = None if ks is None else ks.rows
+        if rows is None:
+            each = ", ".join(f"rank {r}: {n}" for r, n in enumerate(sizes))
+            raise ValueError(f"{self._what}: the ranks' batch sizes differ ({each}) and which outputs carry the "
+                             "batch is unknown, so they cannot be cut back; expected batched_outputs= (one flag "
+                             "per output leaf)")
+        out_leaves, spec = pytree.tree_flatten(out)
+        return pytree.tree_unflatten([o.narrow(r.dim, 0, batch * r.inner) if r is not None else o
+                                      for o, r in zip(out_leaves, rows)], spec)
+
+    def _run_io(self, io: StaticIO) -> Any:
+        self._decider.agree_batch(io.batch_size, exact=True)  # zero-copy views have fixed rows: every rank alike
+        return super()._run_io(io)
+
+
+def _pad_rows(layout: CallLayout, leaves: list[Any], rows: int, *, batch_dim: int,
+              pad_value: float | int | bool | None) -> list[Any]:
+    """The leaves with every batched tensor grown to ``rows`` (new rows hold ``pad_value``; 0 for None)."""
+    out = []
+    for leaf, kind in zip(leaves, layout.kinds):
+        if kind == BATCHED and leaf.shape[batch_dim] < rows:
+            shape = list(leaf.shape)
+            shape[batch_dim] = rows
+            grown = leaf.new_full(shape, 0 if pad_value is None else pad_value)
+            grown.narrow(batch_dim, 0, leaf.shape[batch_dim]).copy_(leaf)
+            leaf = grown
+        out.append(leaf)
+    return out

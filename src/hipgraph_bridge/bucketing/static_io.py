@@ -30,7 +30,7 @@ import torch
 
 from .._torch_compat import plain_torch_function, pytree
 from ..errors import StaleOutputError
-from .buffers import StaticInputs
+from ..padding.staging import StaticInputs
 
 __all__ = ["StaticIO", "guard_outputs"]
 
@@ -40,19 +40,18 @@ class StaticIO:
 
     Attributes:
         batch_size: the rows a call has (the views' size in ``batch_dim``).
-        bucket: the bucket those rows run in (its padding rows are the pool's).
         args, kwargs: the call's arguments as the first call laid them out, each
             tensor a view of its static buffer. Write into them; do not rebind them.
     """
 
-    def __init__(self, run: Callable[[StaticIO], Any], inputs: StaticInputs, batch_size: int, bucket: int) -> None:
+    def __init__(self, run: Callable[[StaticIO], Any], inputs: StaticInputs, batch_size: int) -> None:
         self.batch_size = batch_size
-        self.bucket = bucket
         self.inputs = inputs  # the pool's buffers this belongs to (a closed pool has new ones)
-        self.leaves = inputs.views(batch_size)
+        self.leaves = inputs.views(batch_size, batch_size)
         self.args, self.kwargs = inputs.layout.rebuild(self.leaves)
-        # (graph replay, its result, padded) once the checks are done: a later run only replays
-        self.fast: tuple[Callable[[], Any], Any, bool] | None = None
+        # (graph replay, its result, padded, the pool's generation) once the checks are done: a later run
+        # only replays
+        self.fast: tuple[Callable[[], Any], Any, bool, int] | None = None
         self._run = run
 
     def run(self) -> Any:
@@ -76,7 +75,7 @@ class StaticIO:
                                    "buffer; write into the view instead, e.g. io.args[0].copy_(x)")
 
     def __repr__(self) -> str:
-        return f"StaticIO(batch_size={self.batch_size}, bucket={self.bucket})"
+        return f"StaticIO(batch_size={self.batch_size})"
 
 
 class _GuardedView(torch.Tensor):

@@ -37,6 +37,7 @@ from .._torch_compat import pytree
 from ..bucketing.pool import ShapeBucketPool
 from ..checks import check_bool, check_int
 from ..conditional.graph import ConditionalGraph, ConditionalState
+from ..fallbacks import Fallback, Reason
 from ..graph.bridged import SafeCUDAGraph
 from ..graph.capture import GraphCapture, warm_up
 from ..log import logger
@@ -104,8 +105,7 @@ class StaticSession:
         self._graph: SafeCUDAGraph | None = None
         self._capture: GraphCapture | None = None
         self._mode = "pending"  # -> "graph" | "eager" | "interrupted"
-        self._reason = ""
-        self._detail = ""
+        self._fallback: Fallback | None = None
 
     @property
     def mode(self) -> str:
@@ -115,18 +115,18 @@ class StaticSession:
     @property
     def fallback_reason(self) -> str:
         """Why this session runs eagerly ("" while it replays a graph)."""
-        return f"{self._reason}: {self._detail}" if self._detail else self._reason
+        return "" if self._fallback is None else str(self._fallback)
 
-    def _to_eager(self, reason: str, detail: str) -> None:
-        self._mode, self._reason, self._detail = "eager", reason, detail
-        stats.record_fallback(reason, detail)
+    def _to_eager(self, reason: Reason, detail: str) -> None:
+        self._mode, self._fallback = "eager", Fallback(reason, detail)
+        stats.record_fallback(self._fallback)
 
     # ------------------------------------------------------------- capture
     def __enter__(self) -> StaticSession:
         plat = probe()
         if not plat.graphs_available:
             self.static_input = self.example_input
-            self._to_eager("no_gpu", plat.reason or "")
+            self._to_eager(Reason.NO_GPU, plat.reason or "")
             return self
         if self.example_input is not None:
             for leaf in pytree.tree_leaves(self.example_input):
@@ -139,14 +139,14 @@ class StaticSession:
             if model_fn is not None and x is not None:
                 warm_up(lambda: model_fn(x), stream, self._warmup_iters)
         except Exception as exc:
-            self._to_eager("warmup_failed", f"{type(exc).__name__}: {exc}")
+            self._to_eager(Reason.WARMUP_FAILED, f"{type(exc).__name__}: {exc}")
             return self
         self._graph = SafeCUDAGraph()
         capture = self._graph.capturing(pool=self._pool, stream=stream, freeze_gc=True)  # thread-local mode
         try:
             capture.__enter__()
         except Exception as exc:
-            self._to_eager("capture_failed", f"{type(exc).__name__}: {exc}")
+            self._to_eager(Reason.CAPTURE_FAILED, f"{type(exc).__name__}: {exc}")
             return self
         self._capture = capture
         return self
@@ -176,7 +176,7 @@ class StaticSession:
                 raise failure
             return False
         self.output = None
-        self._to_eager("capture_failed", f"{type(failure).__name__}: {failure}")
+        self._to_eager(Reason.CAPTURE_FAILED, f"{type(failure).__name__}: {failure}")
         return True
 
     # -------------------------------------------------------------- replay
@@ -201,7 +201,7 @@ class StaticSession:
         try:
             self._graph.replay()
         except Exception as exc:
-            self._to_eager("replay_failed", f"{type(exc).__name__}: {exc}")
+            self._to_eager(Reason.REPLAY_FAILED, f"{type(exc).__name__}: {exc}")
             return self._run_eager(input_tensor, count=False)
         out = clone_tree(self.output) if self.copy_outputs else self.output
         if config.switches.validate and self.model_fn is not None:
@@ -215,8 +215,8 @@ class StaticSession:
                                "to run eagerly; pass model_fn= to capture()")
         if input_tensor is not None and self.static_input is not None:  # the same check as a replay's
             check_same_layout("input_tensor", self.static_input, input_tensor)
-        if count:
-            stats.record_fallback(self._reason, self._detail)
+        if count and self._fallback is not None:
+            stats.record_fallback(self._fallback)
         x = input_tensor if input_tensor is not None else self.static_input
         if x is None:
             return self.model_fn()

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from .._torch_compat import inductor_config_keys, mode_options
-from ..bucketing.buckets import validate_buckets
-from ..bucketing.ranks import RankAgreement, as_agreement
+from ..bucketing.options import PoolOptions
+from ..graph.buckets import validate_buckets
+from ..ranks.agreement import RankAgreement, as_agreement
 from ..checks import check_bool, check_int
 from ..config import check_vram_cap
 from ..errors import ConfigError
@@ -29,9 +30,16 @@ def _flag(name: str, v: Any) -> bool:
     return check_bool(f"options[{name!r}]", v, error=ConfigError)
 
 
+_POOL_FIELDS = ("buckets", "max_batch_size", "batch_dim", "vram_cap", "copy_outputs", "pad_value", "warmup_iters",
+                "simulate_padding", "process_group")
+
+
 @dataclass(frozen=True)
 class BackendOptions:
     """Options of the ``gfxgraph`` backend: ``torch.compile(..., options={...})``.
+
+    The pool options are :class:`~hipgraph_bridge.bucketing.PoolOptions` (``pool``), embedded
+    and read through the same names:
 
     Attributes:
         buckets: batch sizes to capture; default :func:`~hipgraph_bridge.default_buckets` up to
@@ -43,17 +51,9 @@ class BackendOptions:
             default ``GFXGRAPH_VRAM_CAP`` or 0.90.
         copy_outputs: return copies (True). False returns views of the graphs'
             static outputs, overwritten by the next call of this subgraph.
-        pad_value: value of padding rows (0).
+        pad_value: the value padding rows are filled with (0), in the batch-bucket
+            graphs and in the piecewise pieces alike.
         warmup_iters: runs before each capture (1; at most 1 for a subgraph that writes state).
-        compiler: ``"inductor"`` (default); ``"aot_eager"`` or ``"eager"`` (the
-            traced graph as it is) for debugging or machines without a C++ compiler.
-            Inductor on CPU falls back to ``"eager"`` by itself when no compiler is found.
-        inductor_config: extra inductor config patches (CUDA-graph keys refused).
-        static_compile_after: a frame with every shape specialised is compiled on
-            this call (2); earlier calls run the traced graph eagerly.
-        max_variants: graph sets per subgraph for distinct non-batch shapes or
-            constant arguments (8); further ones run ungraphed.
-        graphs: False compiles only (no graphs): for comparisons.
         simulate_padding: without a GPU, run graphed subgraphs through the pool's padded
             pipeline instead of on the call's own inputs (False): for checking what
             padding does, on any machine.
@@ -64,6 +64,15 @@ class BackendOptions:
             together) and so does its choice to graph or not. Without it such a
             subgraph runs compiled, ungraphed (reason ``collectives``). Subgraphs
             without collectives never wait for other ranks.
+        compiler: ``"inductor"`` (default); ``"aot_eager"`` or ``"eager"`` (the
+            traced graph as it is) for debugging or machines without a C++ compiler.
+            Inductor on CPU falls back to ``"eager"`` by itself when no compiler is found.
+        inductor_config: extra inductor config patches (CUDA-graph keys refused).
+        static_compile_after: a frame with every shape specialised is compiled on
+            this call (2); earlier calls run the traced graph eagerly.
+        max_variants: graph sets per subgraph for distinct non-batch shapes or
+            constant arguments (8); further ones run ungraphed.
+        graphs: False compiles only (no graphs): for comparisons.
         piecewise: split each dynamo graph at the splitting ops and graph the pieces between
             them per bucket of the token count (False); see :mod:`.piecewise`.
         splitting_ops: torch op names to split at besides the default attention ops
@@ -77,20 +86,13 @@ class BackendOptions:
             compiled, without graphs (reason ``oversize``).
     """
 
-    buckets: tuple[int, ...] | None = None
+    pool: PoolOptions = field(default_factory=lambda: PoolOptions.create(progress=False))
     max_batch_size: int = 256
-    batch_dim: int = 0
-    vram_cap: float | None = None
-    copy_outputs: bool = True
-    pad_value: float | int | bool | None = 0
-    warmup_iters: int = 1
     compiler: Compiler = "inductor"
     inductor_config: tuple[tuple[str, Any], ...] = ()
     static_compile_after: int = 2
     max_variants: int = 8
     graphs: bool = True
-    simulate_padding: bool = False
-    process_group: RankAgreement | None = None
     piecewise: bool = False
     splitting_ops: tuple[str, ...] = ()
     token_dim: int | None = None
@@ -98,10 +100,20 @@ class BackendOptions:
     max_tokens: int = 512
     mode_config: tuple[tuple[str, Any], ...] = field(default=(), repr=False)  # from torch.compile(mode=...)
 
+    # the pool's options, read through the names ``options={...}`` uses
+    buckets = property(lambda self: self.pool.buckets)
+    batch_dim = property(lambda self: self.pool.batch_dim)
+    vram_cap = property(lambda self: self.pool.vram_cap)
+    copy_outputs = property(lambda self: self.pool.copy_outputs)
+    pad_value = property(lambda self: self.pool.pad_value)
+    warmup_iters = property(lambda self: self.pool.warmup_iters)
+    simulate_padding = property(lambda self: self.pool.simulate_padding)
+    process_group = property(lambda self: self.pool.process_group)
+
     @classmethod
     def known(cls) -> list[str]:
         """Option names accepted in ``options={...}``."""
-        return sorted(f.name for f in fields(cls) if f.name != "mode_config")
+        return sorted({*_POOL_FIELDS, *(f.name for f in fields(cls) if f.name not in ("mode_config", "pool"))})
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any] | None = None, *, mode: str | None = None) -> BackendOptions:
@@ -122,28 +134,34 @@ class BackendOptions:
                               f"(max_batch_size only chooses the default buckets), got buckets={o['buckets']!r} "
                               f"and max_batch_size={o['max_batch_size']!r}")
         kw: dict[str, Any] = {}
+        pool: dict[str, Any] = {"progress": False}
         if o.get("buckets") is not None:
             try:
-                kw["buckets"] = tuple(validate_buckets(o["buckets"]))
+                pool["buckets"] = validate_buckets(o["buckets"])
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"options['buckets']: {exc}") from None
         for name in ("max_batch_size", "static_compile_after", "max_variants"):
             if name in o:
                 kw[name] = _positive_int(name, o[name])
+        if "max_batch_size" in kw:
+            pool["max_batch_size"] = kw["max_batch_size"]
         for name in ("batch_dim", "warmup_iters"):
             if name in o:
-                kw[name] = _positive_int(name, o[name], minimum=0)
-        for name in ("copy_outputs", "graphs", "simulate_padding", "piecewise"):
+                pool[name] = _positive_int(name, o[name], minimum=0)
+        for name in ("graphs", "piecewise"):
             if name in o:
                 kw[name] = _flag(name, o[name])
+        for name in ("copy_outputs", "simulate_padding"):
+            if name in o:
+                pool[name] = _flag(name, o[name])
         kw.update(_piecewise_options(o))
         if o.get("vram_cap") is not None:
-            kw["vram_cap"] = check_vram_cap(o["vram_cap"], name="options['vram_cap']")
+            pool["vram_cap"] = check_vram_cap(o["vram_cap"], name="options['vram_cap']")
         if "pad_value" in o:
             pv = o["pad_value"]
             if pv is not None and not isinstance(pv, (int, float, bool)):
                 raise ConfigError(f"options['pad_value']: expected a number or None, got {pv!r}")
-            kw["pad_value"] = pv
+            pool["pad_value"] = pv
         if "compiler" in o:
             if o["compiler"] not in COMPILERS:
                 raise ConfigError(f"options['compiler']: expected one of {', '.join(COMPILERS)}, "
@@ -152,8 +170,12 @@ class BackendOptions:
         if "inductor_config" in o:
             kw["inductor_config"] = _inductor_patches(o["inductor_config"])
         if o.get("process_group") is not None:
-            kw["process_group"] = _agreement(o["process_group"])
+            pool["process_group"] = _agreement(o["process_group"])
         kw["mode_config"] = _mode_patches(mode)
+        try:
+            kw["pool"] = PoolOptions.create(**pool)
+        except (TypeError, ValueError) as exc:  # every value was checked above: a rule between options
+            raise ConfigError(f"gfxgraph backend options: {exc}") from None
         return cls(**kw)
 
     def inductor_patches(self) -> dict[str, Any]:

@@ -18,10 +18,10 @@ import torch
 from torch import fx
 
 from .._torch_compat import generated_forward, sym_expr
-from ..bucketing.capture import BucketCapturer
+from ..graph.capturer import Capturer
 from .plan import VIEW_OPS
 
-__all__ = ["Mode", "CallContext", "PieceEnv", "Layout", "Splitter", "token_dims", "narrow", "trivial", "span"]
+__all__ = ["Mode", "CallContext", "PieceEnv", "Layout", "Splitter", "token_dims", "narrow", "trivial"]
 
 
 class Mode(enum.Enum):
@@ -51,19 +51,16 @@ class PieceEnv:
     """What a frame shares with its pieces."""
 
     ctx: CallContext
-    capturer: BucketCapturer | None  # None without a GPU
+    capturer: Capturer | None  # None without a GPU
     token: Any  # the token symbol
+    token_range: tuple[int, int | None]  # the token counts the frame's guards admit
     largest: int  # the largest token bucket (static buffers are sized for it)
-    pad_value: float | int | bool | None
+    pad_value: float | int | bool | None  # what padding rows are filled with (padding.staging.Arena)
     warmup_iters: int
 
 
 def _ev(e: Any, sub: dict[Any, int]) -> int:
     return e if isinstance(e, int) else int(e.xreplace(sub))
-
-
-def span(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:
-    return 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, strides))
 
 
 class Layout:

@@ -5,25 +5,28 @@ Workflow of a call in a padded call of its frame (``n`` real tokens, bucket ``b`
 1. Tensor inputs that carry the token count arrive padded (``b`` rows: the
    previous piece's graph outputs, which the graph reads in place) or real
    (``n`` rows: a splitting op's output, a frame input); real ones are copied
-   into the piece's static buffer, whose padding rows hold ``pad_value`` or
-   real rows of earlier calls (harmless where rows do not interact). The token
-   count passed as an int is the bucket size inside the graph.
+   into the piece's static buffer (an :class:`~hipgraph_bridge.padding.staging.Arena`,
+   ``FillPolicy.ONCE``: its padding rows hold ``pad_value`` or rows of earlier
+   calls, harmless where rows are proven independent). The token count passed
+   as an int is the bucket size inside the graph.
 2. The key's graph replays. It was captured on the key's first call, into the
    frame's one memory pool, while the outputs of the pieces before it were
    alive, so it never overwrites what later pieces still read; its outputs
    stay padded for the next piece.
-3. The first padded call of every graph is compared with an unpadded run of
-   the piece (rows that interact: the piece is not padded again); in
-   validation mode every call is.
+3. The first padded call of every graph is checked by the engine's padding
+   check (:mod:`hipgraph_bridge.padding.confirm`): the graph replayed with its
+   padding rows poisoned; rows that interact stop the piece's padding. In
+   validation mode every call is compared with an unpadded run.
 
 A piece runs without padding, compiled, on its inputs narrowed to the real
-rows (reason counted) when padding could change its results (:mod:`.hazards`,
-the token count used as a value, sizes such as ``2*s`` at its boundary, a
-padded check that differed) or when it writes state it keeps (a static KV
-cache): such a piece is graphed only for calls whose token count is a bucket,
-with at most one warm-up, and never run twice for one call. Without a GPU
-(``simulate_padding``) the same pipeline runs, the compiled piece called on
-the padded buffers where a replay would be.
+rows (reason counted) when padding could change its results (the row
+analysis of its graph, :mod:`hipgraph_bridge.padding.rows`; the token count
+used as a value; sizes such as ``2*s`` at its boundary; a padding check that
+failed) or when it writes state it keeps (a static KV cache): such a piece is
+graphed only for calls whose token count is a bucket, with at most one
+warm-up, and never run twice for one call. Without a GPU (``simulate_padding``)
+the same pipeline runs, the compiled piece called on the padded buffers where
+a replay would be (and on poisoned ones for the check).
 """
 
 from __future__ import annotations
@@ -38,16 +41,18 @@ from torch import fx
 
 from .. import config, stats
 from .._torch_compat import non_owning_view, sym_expr, weak_view_supported
+from ..fallbacks import Fallback, Reason
 from ..graph.capture import record_on_current_stream
 from ..graph.weak_outputs import release_outputs
-from ..validation import checked_against_eager, padding_changed
-from .hazards import padding_hazard
-from .parts import Layout, Mode, PieceEnv, narrow, span, token_dims
+from ..padding.confirm import confirm_padding
+from ..padding.entry import Entry
+from ..padding.fx import trace_graph
+from ..padding.staging import Arena, PadRegion
+from ..validation import checked_against_eager
+from .parts import Layout, Mode, PieceEnv, narrow, token_dims
 from .plan import value_use
 
 __all__ = ["Piece"]
-
-Why = tuple[str, str, int]  # (reason key, explanation, log level)
 
 
 @dataclass(frozen=True)
@@ -60,18 +65,13 @@ class _TensorSlot:
 
 
 @dataclass
-class _Entry:
-    """One graph of a piece, for one key."""
+class _Entry(Entry):
+    """One graph of a piece, for one key: the engine's entry, plus what the piece reads and where."""
 
-    statics: list[Any]  # per tensor slot: the tensor the graph reads (None until set)
-    ptrs: list[int]
-    graph: Any = None
-    outputs: tuple[Any, ...] = ()  # the graph's outputs (non-owning views)
+    statics: list[Any] = field(default_factory=list)  # per tensor slot: the tensor the graph reads (None until set)
+    ptrs: list[int] = field(default_factory=list)
     out_ptrs: frozenset[int] = frozenset()
     views: dict[int, list[Any]] = field(default_factory=dict)  # n -> per slot the real rows' view
-    checked: bool = False
-    reason: str = ""
-    failed: str | None = None
 
 
 def _one_row(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
@@ -89,7 +89,7 @@ class Piece:
     """
 
     def __init__(self, name: str, module: fx.GraphModule, fn: Callable[..., Any], env: PieceEnv, *,
-                 single: bool, refs: frozenset[int], mutated: frozenset[int], never: Why | None,
+                 single: bool, refs: frozenset[int], mutated: frozenset[int], never: Fallback | None,
                  trivial: bool) -> None:
         self.name, self.env, self.fn, self.single, self.trivial = name, env, fn, single, trivial
         token = env.token
@@ -125,30 +125,38 @@ class Piece:
                 self.int_outputs.append((k, e))
         self.stateful = bool(mutated & refs)
         if never is None and mutated - refs:
-            never = ("input_mutation", f"{name} writes to its input(s) {sorted(mutated - refs)}, which a graph "
-                     "would read from static copies", logging.WARNING)
+            never = Fallback(Reason.INPUT_MUTATION, f"{name} writes to its input(s) {sorted(mutated - refs)}, which "
+                             "a graph would read from static copies")
         self.never = never  # why this piece is never graphed
-        self.block = None if trivial else self._padding_block(module, compound)  # why it is never padded
+        # why it is never padded
+        self.block = None if trivial else self._padding_block(module, fakes, refs, compound)
         self.entries: dict[tuple[Any, ...], _Entry] = {}
-        self._arenas: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._arena = Arena(env.pad_value)
         self.replays = self.captures = self.eager_runs = 0
 
-    def _padding_block(self, module: fx.GraphModule, compound: list[str]) -> Why | None:
+    def _padding_block(self, module: fx.GraphModule, fakes: list[Any], refs: frozenset[int],
+                       compound: list[str]) -> Fallback | None:
         token = self.env.token
         if self.stateful:
-            return ("padded_state_write", f"{self.name} writes state it keeps (a static KV cache?): padding rows "
-                    "would write to it, so it is graphed only when the token count is a bucket", logging.INFO)
+            return Fallback(Reason.STATEFUL, f"{self.name} writes state it keeps (a static KV cache?): padding rows "
+                            "would write to it, so it is graphed only when the token count is a bucket", logging.INFO)
         if compound:
-            return ("size_expression", f"{self.name}: {compound[0]}, which padding cannot slice back",
-                    logging.INFO)
+            return Fallback(Reason.SIZE_EXPRESSION, f"{self.name}: {compound[0]}, which padding cannot slice back",
+                            logging.INFO)
         for node in module.graph.nodes:
             e = sym_expr(node.meta.get("example_value"))
             if e is not None and token in e.free_symbols and (bad := value_use(node)) is not None:
-                return ("size_as_value", f"{self.name}: the token count is used as a value by "
-                        f"{bad.format_node()}; a padded graph would see the bucket size there", logging.WARNING)
-        hazard = padding_hazard(module, token)
-        if hazard is not None:
-            return "padding_unsafe", f"{self.name}: {hazard}", logging.WARNING
+                return Fallback(Reason.SIZE_AS_VALUE, f"{self.name}: the token count is used as a value by "
+                                f"{bad.format_node()}; a padded graph would see the bucket size there")
+        several = [s.index for s in self.slots if len(s.pad_dims) > 1]
+        if several:
+            return Fallback(Reason.UNPROVEN, f"{self.name}: input {several[0]} carries the token count in several "
+                            "dimensions, which the row analysis does not follow")
+        lo, hi = self.env.token_range
+        verdict = trace_graph(module, fakes, batched={s.index: s.pad_dims[0] for s in self.slots if s.pad_dims},
+                              refs=refs, symbols={token}, lo=lo, hi=hi)
+        if verdict.reason is not None and verdict.reason != Reason.STATEFUL:
+            return Fallback(verdict.reason, f"{self.name}: {verdict.detail}")
         return None
 
     # ----------------------------------------------------------------- call
@@ -168,14 +176,14 @@ class Piece:
             entry = self.entries.get(ctx.key)
             if entry is None:
                 out = self._first(args)
-            elif entry.failed is not None:
-                out = self._fallback((entry.reason, entry.failed, logging.WARNING), args)
+            elif entry.fallback is not None:
+                out = self._fallback(entry.fallback, args)
             else:
                 out = self._checked(entry, self._run(entry, args), args)
         return out[0] if self.single else out
 
-    def _fallback(self, why: Why, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        stats.record_fallback(why[0], why[1], level=why[2])
+    def _fallback(self, why: Fallback, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        stats.record_fallback(why)
         self.eager_runs += 1
         return self._run_real(args)
 
@@ -219,30 +227,62 @@ class Piece:
         return tuple(vals)
 
     def _checked(self, entry: _Entry, out: tuple[Any, ...], args: tuple[Any, ...]) -> tuple[Any, ...]:
-        """A graph's first padded result compared with an unpadded run; every result in validation mode."""
+        """A graph's first padded result goes through the padding check; every result in validation mode is
+        compared with an unpadded run of the compiled piece."""
         ctx = self.env.ctx
-        first = ctx.padded and not entry.checked and not self.stateful
-        validate = config.switches.validate and not self.stateful
-        if not (first or validate):
-            return out
-        reference = tuple(self._run_real(args))  # compilers return lists or tuples
-        mine = tuple(out)
-        if ctx.padded:
-            mine = tuple(narrow(t, dims, ctx.n) if isinstance(t, torch.Tensor) else t
-                         for t, dims in zip(out, self._dims_per_output(len(out))))
-        if first:
-            entry.checked = True
-            why = padding_changed(mine, reference)
+        if ctx.padded and not entry.confirmed and not self.stateful:
+            why = self._confirm(entry, args)
             if why:
                 detail = (f"{self.name}: bucket {ctx.b} for {ctx.n} tokens: {why}; rows depend on each other, so "
                           "this piece runs unpadded from now on")
-                self.block = ("padding_changes_results", detail, logging.WARNING)
+                self.block = Fallback(Reason.PADDING_CHANGES_RESULTS, detail)
                 ctx.blocked = True
-                stats.record_fallback("padding_changes_results", detail)
-                return reference
-        if validate and checked_against_eager(mine, reference, owner=self, what="piecewise piece") is reference:
+                stats.record_fallback(self.block)
+                return tuple(self._run_real(args))
+        if not (config.switches.validate and not self.stateful):
+            return out
+        reference = tuple(self._run_real(args))  # compilers return lists or tuples
+        mine = self._real_rows(out)
+        if checked_against_eager(mine, reference, owner=self, what="piecewise piece") is reference:
             return reference
         return out
+
+    def _real_rows(self, out: Any) -> tuple[Any, ...]:
+        ctx = self.env.ctx
+        if not ctx.padded:
+            return tuple(out)
+        return tuple(narrow(t, dims, ctx.n) if isinstance(t, torch.Tensor) else t
+                     for t, dims in zip(out, self._dims_per_output(len(out))))
+
+    def _confirm(self, entry: _Entry, args: tuple[Any, ...]) -> str:
+        """The engine's padding check on this piece's graph (or, without a GPU, its compiled function run on
+        the poisoned buffers): "" when the real rows hold whatever the padding holds."""
+        ctx = self.env.ctx
+        regions = []
+        for pos, slot in enumerate(self.slots):
+            st = entry.statics[pos]
+            if not slot.pad_dims or st is None or any(st.shape[d] == ctx.n for d in slot.pad_dims):
+                continue
+            real = narrow(st, slot.pad_dims, ctx.n)
+            pad = st.narrow(slot.pad_dims[0], ctx.n, ctx.b - ctx.n) if len(slot.pad_dims) == 1 else None
+            regions.append(PadRegion(st, real, pad))
+        if entry.graph is not None:
+            replay = entry.graph.replay
+
+            def read() -> list[Any]:
+                return list(self._real_rows(entry.outputs))
+        else:  # simulate_padding: the compiled piece on the padded (and poisoned) buffers
+            call = self._bucket_args(entry, args, capture=False)
+            last: list[Any] = []
+
+            def replay() -> None:
+                last[:] = [tuple(self.fn(*call))]
+
+            def read() -> list[Any]:
+                return list(self._real_rows(last[0]))
+        why = confirm_padding(replay, regions, self.env.pad_value or 0, read)
+        entry.confirmed = not why
+        return why
 
     def _dims_per_output(self, count: int) -> list[tuple[int, ...]]:
         dims: list[tuple[int, ...]] = [()] * count
@@ -261,19 +301,20 @@ class Piece:
         ctx, env = self.env.ctx, self.env
         if ctx.complete and env.capturer is not None:
             ctx.stale = True
-            return self._fallback(("recapture", f"{self.name} meets a key its frame captured without it; the "
-                                   "key's graphs are captured again, together, on its next call", logging.DEBUG),
-                                  args)
-        entry = _Entry([None] * len(self.slots), [0] * len(self.slots))
+            return self._fallback(Fallback(Reason.RECAPTURE, f"{self.name} meets a key its frame captured without "
+                                           "it; the key's graphs are captured again, together, on its next call",
+                                           logging.DEBUG), args)
+        entry = _Entry(ctx.b, ctx.key, statics=[None] * len(self.slots), ptrs=[0] * len(self.slots))
         call = self._bucket_args(entry, args, capture=True)
         if env.capturer is None:  # simulate_padding without a GPU
             self.entries[ctx.key] = entry
             out = self.fn(*call)
             return self._checked(entry, self._fix_ints(out) if self.int_outputs else out, args)
+        run = lambda: self.fn(*call)  # noqa: E731
         warmup = min(env.warmup_iters, 1) if self.stateful else env.warmup_iters
-        captured = env.capturer.capture(lambda: self.fn(*call), ctx.b, keep_warm=self.stateful, freeze_gc=True,
-                                        warmup_iters=warmup)
-        if captured.failed is not None:
+        captured = env.capturer.capture(run, f"{self.name} token bucket {ctx.b}", warm=[run] * warmup,
+                                        keep_warm=self.stateful)
+        if captured.fallback is not None:
             return self._failed(entry, captured, args)
         entry.graph = captured.graph
         leaves = tuple(captured.outputs)
@@ -296,18 +337,17 @@ class Piece:
             if not ctx.padded or self.stateful:
                 raise captured.error
             out = self._run_real(args)  # raises the piece's own error for a bad input
-            entry.reason, entry.failed = "padded_run_failed", captured.failed
+            entry.fallback = Fallback(Reason.PADDED_RUN_FAILED, captured.fallback.detail)
         else:
-            entry.reason, entry.failed = captured.reason, captured.failed
+            entry.fallback = captured.fallback
             if captured.warm is not None:  # a state-writing piece ran in its warm-up: never run it again
                 self.entries[ctx.key] = entry
-                stats.record_fallback(entry.reason, entry.failed)
+                stats.record_fallback(entry.fallback)
                 record_on_current_stream(list(captured.warm))
                 return tuple(captured.warm)
             out = None
         self.entries[ctx.key] = entry
-        return out if out is not None else self._fallback((entry.reason, entry.failed or "", logging.WARNING),
-                                                          args)
+        return out if out is not None else self._fallback(entry.fallback, args)
 
     def _bucket_args(self, entry: _Entry, args: tuple[Any, ...], *, capture: bool) -> list[Any]:
         """The piece's arguments at the bucket: padded inputs as they are, real ones staged and padded.
@@ -341,18 +381,12 @@ class Piece:
 
     def _staging(self, pos: int, slot: _TensorSlot, shape: tuple[int, ...], strides: tuple[int, ...],
                  at_b: dict[Any, int]) -> torch.Tensor:
-        """A static input buffer at the bucket: a view of one allocation per input sized for the largest bucket."""
-        key = (pos, self.env.ctx.exact)
-        need = span(shape, strides)
-        flat = self._arenas.get(key)
-        if flat is None or flat.numel() < need:
-            largest = slot.layout.realize({**at_b, self.env.token: self.env.largest})
-            # filled once: afterwards a padding row holds this or a real row of an earlier call, both
-            # harmless to rows that do not interact, and token ids stay valid indices
-            flat = torch.full((max(need, span(*largest)),), self.env.pad_value or 0, dtype=slot.layout.dtype,
-                              device=slot.layout.device)
-            self._arenas[key] = flat  # views of an older one keep it alive for the graphs that read it
-        return flat.as_strided(shape, strides)
+        """A static input buffer at the bucket: a view of the slot's arena allocation for the largest bucket
+        (``FillPolicy.ONCE``: padding rows hold ``pad_value`` or a real row of an earlier call, both harmless
+        to rows that do not interact, and token ids stay valid indices)."""
+        largest = slot.layout.realize({**at_b, self.env.token: self.env.largest})
+        return self._arena.view((pos, self.env.ctx.exact), shape, strides, largest, slot.layout.dtype,
+                                slot.layout.device)
 
     def _stage(self, entry: _Entry, pos: int, a: torch.Tensor) -> None:
         """Copy ``a`` into the slot's static input: whole when it has the bucket's shape, else its real
@@ -390,15 +424,15 @@ class Piece:
         return sum(1 for e in self.entries.values() if e.graph is not None)
 
     def staging_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._arenas.values())
+        return self._arena.nbytes()
 
     def status(self) -> str:
         """How this piece runs: "graphed", "trivial", or the reason it is never graphed / never padded."""
         if self.trivial:
             return "trivial"
         if self.never is not None:
-            return f"ungraphed: {self.never[0]}"
-        return "graphed" if self.block is None else f"unpadded: {self.block[0]}"
+            return f"ungraphed: {self.never.reason.value}"
+        return "graphed" if self.block is None else f"unpadded: {self.block.reason.value}"
 
     def drop(self, key: tuple[Any, ...]) -> None:
         """Release the graph of one key (the key is about to be captured again)."""
@@ -412,4 +446,4 @@ class Piece:
             if e.graph is not None:
                 e.graph.reset()
         self.entries.clear()
-        self._arenas.clear()
+        self._arena.clear()

@@ -42,9 +42,10 @@ from torch import fx
 
 from .. import stats
 from .._torch_compat import aot_mutated_inputs, generated_forward, pointers_equal, sym_expr, sym_range
-from ..bucketing.buckets import BucketTable, default_buckets
-from ..bucketing.capture import BucketCapturer
-from ..bucketing.ordering import CallOrder
+from ..fallbacks import Fallback, Reason
+from ..graph.buckets import BucketTable, default_buckets
+from ..graph.capturer import Capturer
+from ..graph.ordering import CallOrder
 from ..config import read_vram_cap
 from ..log import log_once, logger
 from ..platform import probe
@@ -127,7 +128,8 @@ class PiecewiseSubgraph:
     def __init__(self, gm: fx.GraphModule, example_inputs: list[Any], opts: BackendOptions, token: TokenSymbol,
                  ops: SplittingOps) -> None:
         self.opts, self.token = opts, token
-        self.state, self.reason, self.detail, self._level = SubgraphState.GRAPHED, None, "", logging.WARNING
+        self.state = SubgraphState.GRAPHED
+        self.fallback: Fallback | None = None  # why it runs without graphs, while UNGRAPHED
         self.compiler: str | None = None
         self.compile_seconds = 0.0
         self._lock = threading.RLock()
@@ -138,10 +140,10 @@ class PiecewiseSubgraph:
         self.buckets = [b for b in base if b >= lo and (hi is None or b <= hi)]
         self._table = BucketTable(self.buckets) if self.buckets else None
         self._graphs = probe().graphs_available
-        capturer = BucketCapturer(warmup_iters=opts.warmup_iters, vram_cap=opts.vram_cap or read_vram_cap(),
-                                  capture_error_mode="thread_local", generators=()) if self._graphs else None
+        capturer = Capturer(warmup_iters=opts.warmup_iters, vram_cap=opts.vram_cap or read_vram_cap(),
+                            capture_error_mode="thread_local") if self._graphs else None
         self.ctx = CallContext()
-        self.env = PieceEnv(self.ctx, capturer, token.symbol, self.buckets[-1] if self.buckets else 1,
+        self.env = PieceEnv(self.ctx, capturer, token.symbol, (lo, hi), self.buckets[-1] if self.buckets else 1,
                             opts.pad_value, opts.warmup_iters)
         self.split, parts = split_graph(gm, ops)
         self._forward = generated_forward(self.split)
@@ -258,26 +260,35 @@ class PiecewiseSubgraph:
             if key is not None:
                 cache[key] = hit
         fn, self.compiler, failure, mutated = hit
-        never = ("compile_failed", f"{part.name}: {failure}", logging.WARNING) if failure else None
+        never = Fallback(Reason.COMPILE_FAILED, f"{part.name}: {failure}") if failure else None
         if not self.opts.graphs:
-            never = ("graphs_off", "options={'graphs': False}", logging.DEBUG)
+            never = Fallback(Reason.GRAPHS_OFF, "options={'graphs': False}", logging.DEBUG)
         return Piece(part.name, module, fn, self.env, single=single, refs=refs, mutated=mutated, never=never,
                      trivial=False)
 
     def _why_ungraphed(self) -> None:
         if not self.opts.graphs:
-            self.state, self.reason, self.detail, self._level = (SubgraphState.UNGRAPHED, "graphs_off",
-                                                                 "options={'graphs': False}", logging.DEBUG)
+            self.state = SubgraphState.UNGRAPHED
+            self.fallback = Fallback(Reason.GRAPHS_OFF, "options={'graphs': False}", logging.DEBUG)
         elif self._graphs and self.devices != {"cuda"}:
-            self.state, self.reason, self._level = SubgraphState.UNGRAPHED, "cpu_inputs", logging.INFO
-            self.detail = f"inputs on {', '.join(sorted(self.devices))}: graphs need every tensor input on the GPU"
+            self.state = SubgraphState.UNGRAPHED
+            self.fallback = Fallback(Reason.CPU_INPUTS, f"inputs on {', '.join(sorted(self.devices))}: graphs need "
+                                     "every tensor input on the GPU", logging.INFO)
+
+    @property
+    def reason(self) -> str | None:
+        return None if self.fallback is None else self.fallback.reason
+
+    @property
+    def detail(self) -> str:
+        return "" if self.fallback is None else self.fallback.detail
 
     # --------------------------------------------------------------- call
     def __call__(self, *args: Any) -> Any:
         """Run the frame on dynamo's flat inputs: full graph, piecewise graphs, or compiled (module docstring)."""
         with self._lock:
             if self.state is not SubgraphState.GRAPHED:
-                stats.record_fallback(self.reason or "ungraphed", self.detail, level=self._level)
+                stats.record_fallback(self.fallback or Fallback(Reason.GRAPHS_OFF))
                 return self._direct(args)
             i, d = self.token.carrier
             n = args[i].shape[d]
@@ -287,18 +298,19 @@ class PiecewiseSubgraph:
             if self._ref_idx and not pointers_equal(args, self._ref_ptrs, self._ref_idx):
                 self._rebind(args)
             if self._table is None or n > self._table.largest:
-                stats.record_fallback("oversize", f"{n} tokens > largest token bucket "
-                                      f"{self.buckets[-1] if self.buckets else None}", level=logging.INFO)
+                stats.record_fallback(Fallback(Reason.OVERSIZE, f"token counts above the largest token bucket "
+                                               f"{self.buckets[-1] if self.buckets else None}", logging.INFO))
                 return self._direct(args)
             if not self._graphs and not self.opts.simulate_padding:
-                stats.record_fallback("no_gpu", probe().reason or "")
+                stats.record_fallback(Fallback(Reason.NO_GPU, probe().reason or ""))
                 return self._direct(args)
             values = {s: (args[j].shape[dim] if dim is not None else args[j]) for s, (j, dim) in self._carriers.items()}
             exact = (*(values[s] for s in self._others), *(args[j] for j in self._consts))
             if exact not in self._variants:
                 if len(self._variants) >= self.opts.max_variants:
-                    stats.record_fallback("max_variants", f"more than {self.opts.max_variants} variants (sizes "
-                                          "other than the token count, constants) of one piecewise frame")
+                    stats.record_fallback(Fallback(Reason.MAX_VARIANTS, f"more than {self.opts.max_variants} variants "
+                                                   "(sizes other than the token count, constants) of one piecewise "
+                                                   "frame"))
                     return self._direct(args)
                 self._variants.add(exact)
             if self._largest_first:
@@ -306,7 +318,7 @@ class PiecewiseSubgraph:
             if self._graphs:
                 self._order.after_previous()
             else:
-                stats.record_fallback("no_gpu", probe().reason or "")  # simulate_padding: one reason per call
+                stats.record_fallback(Fallback(Reason.NO_GPU, probe().reason or ""))  # simulate_padding: per call
             b = self._table[n]
             self.calls["piecewise"] += 1
             return self._finish(self._graphed(args, n, b, values, exact), n, b)
@@ -441,7 +453,7 @@ class PiecewiseSubgraph:
             self._largest_first = not any(p.stateful for p in self.pieces)
 
     def __repr__(self) -> str:
-        why = f", reason={self.reason!r}" if self.reason else ""
+        why = f", reason={str(self.reason)!r}" if self.reason else ""
         return (f"PiecewiseSubgraph(state={self.state.value}{why}, pieces={len(self.pieces)}, "
                 f"splitting_ops={len(self.splitters)}, buckets={self.buckets}, captured={self.captured_buckets})")
 

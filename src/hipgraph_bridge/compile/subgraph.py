@@ -31,10 +31,12 @@ from typing import Any
 import torch
 
 from .. import stats
-from .._torch_compat import aot_mutated_inputs, pointers_equal, pytree
-from ..bucketing.buckets import default_buckets
+from .._torch_compat import aot_mutated_inputs, pointers_equal, pytree, sym_expr
 from ..bucketing.pool import ShapeBucketPool
-from ..bucketing.ranks import RankSession, Round, Status, describe_failures, failures
+from ..fallbacks import Fallback, Reason
+from ..padding.fx import trace_graph
+from ..padding.rows import RowVerdict
+from ..ranks.agreement import RankSession, Round, Status, describe_failures, failures
 from ..log import log_once, logger
 from ..platform import probe
 from .compiler import compile_graph
@@ -83,9 +85,8 @@ class CompiledSubgraph:
         self.compiler: str | None = None
         self.compile_seconds = 0.0
         self.state = SubgraphState.LAZY
-        self.reason: str | None = None  # fallback key while UNGRAPHED
-        self.detail = ""
-        self._level = logging.WARNING
+        self.fallback: Fallback | None = None  # why it runs ungraphed, while UNGRAPHED
+        self.verdict: RowVerdict | None = None  # the row analysis of its graph (set at compile)
         self._variants: dict[tuple[Any, ...], _Variant] = {}
         self._lazy_calls = 0
         self._writes_state = False  # the graph writes to ref inputs (set at compile)
@@ -116,10 +117,19 @@ class CompiledSubgraph:
             return  # LAZY: compile on the static_compile_after-th call
         self._compile(example_inputs)
 
+    @property
+    def reason(self) -> str | None:
+        """The fallback reason while UNGRAPHED (a :class:`~hipgraph_bridge.fallbacks.Reason`, a str)."""
+        return None if self.fallback is None else self.fallback.reason
+
+    @property
+    def detail(self) -> str:
+        return "" if self.fallback is None else self.fallback.detail
+
     # ----------------------------------------------------------- compile
     def _choose_buckets(self) -> list[int]:
         p, o = self.plan, self.opts
-        base = list(o.buckets) if o.buckets else default_buckets(o.max_batch_size)
+        base = list(o.buckets)
         if p.fixed_batch is not None:  # the frame serves exactly this size: no padding possible
             return [p.fixed_batch] if p.fixed_batch <= base[-1] else []
         lo, hi = p.batch_range
@@ -129,6 +139,8 @@ class CompiledSubgraph:
         gm = self._gm
         assert gm is not None
         fx_mutated = fx_mutated_inputs(gm)
+        if self.opts.graphs:  # before compiling: the graph as dynamo traced it
+            self.verdict = self._row_analysis(gm, args)
         t0 = time.perf_counter()
         if self._precompiled is not None:
             fn, self.compiler, failure = self._precompiled, "piecewise", ""
@@ -153,54 +165,69 @@ class CompiledSubgraph:
         if why is None:
             self.state = SubgraphState.GRAPHED
         else:
-            self._ungraph(*why)
+            self._ungraph(why)
         logger.debug("gfxgraph backend: compiled a subgraph with %s in %.2f s (%s%s)", self.compiler,
                      self.compile_seconds, self.state.value, f": {self.reason}" if self.reason else "")
 
-    def _why_ungraphed(self, mutated: frozenset[int], failure: str) -> tuple[str, str, int] | None:
+    def _row_analysis(self, gm: torch.fx.GraphModule, args: list[Any]) -> RowVerdict:
+        """Whether the graph's rows are independent, from the graph itself run on fake tensors (no user code)."""
+        p, bd = self.plan, self.opts.batch_dim
+        symbols = set() if p.batch_symbol is None else {p.batch_symbol}
+        for s in p.slots:
+            if s.kind == "batch_like":
+                f = args[s.index]
+                e = sym_expr(f.shape[bd] if isinstance(f, torch.Tensor) else f)
+                if e is not None:
+                    symbols.add(e)
+        lo, hi = p.batch_range
+        return trace_graph(gm, args, batched={i: bd for i in self._batched_idx}, refs=self._ref_idx,
+                           symbols=symbols, lo=lo, hi=hi)
+
+    def _why_ungraphed(self, mutated: frozenset[int], failure: str) -> Fallback | None:
         p, o = self.plan, self.opts
         if not o.graphs:
-            return "graphs_off", "options={'graphs': False}", logging.DEBUG
+            return Fallback(Reason.GRAPHS_OFF, "options={'graphs': False}", logging.DEBUG)
         if failure:
-            return "compile_failed", failure, logging.WARNING
+            return Fallback(Reason.COMPILE_FAILED, failure, logging.WARNING)
         if p.requires_grad:
-            return ("training", "grad mode is on and an input requires grad: the compiled function runs "
-                    "without graphs (backward works); call under torch.no_grad() or torch.inference_mode(), "
-                    "or requires_grad_(False), for graphs", logging.INFO)
+            return Fallback(Reason.TRAINING, "grad mode is on and an input requires grad: the compiled function "
+                            "runs without graphs (backward works); call under torch.no_grad() or "
+                            "torch.inference_mode(), or requires_grad_(False), for graphs", logging.INFO)
         if p.collectives and o.process_group is None:
-            return ("collectives", f"the graph calls torch.distributed collectives ({', '.join(p.collectives)}): "
-                    "a graph of it is safe only if every rank picks the same bucket and falls back with the "
-                    "others; pass options={'process_group': group} (the model's group, or a "
-                    "gfxgraph.RankAgreement) to graph it", logging.WARNING)
+            return Fallback(Reason.COLLECTIVES, f"the graph calls torch.distributed collectives "
+                            f"({', '.join(p.collectives)}): a graph of it is safe only if every rank picks the same "
+                            "bucket and falls back with the others; pass options={'process_group': group} (the "
+                            "model's group, or a gfxgraph.RankAgreement) to graph it", logging.WARNING)
         if p.unsupported is not None:
-            return (*p.unsupported, logging.WARNING)
+            return Fallback(Reason(p.unsupported[0]), p.unsupported[1], logging.WARNING)
         copied = sorted(i for i in mutated if p.slots[i].kind != "ref")
         if copied:
             names = ", ".join(p.slots[i].name for i in copied)
-            return ("input_mutation", f"the graph writes to its input(s) {names}, which a graph reads from "
-                    "static copies, so the writes would not reach them (parameters, buffers and "
-                    "mark_static_address tensors, read in place, may be written)", logging.WARNING)
+            return Fallback(Reason.INPUT_MUTATION, f"the graph writes to its input(s) {names}, which a graph reads "
+                            "from static copies, so the writes would not reach them (parameters, buffers and "
+                            "mark_static_address tensors, read in place, may be written)", logging.WARNING)
         if probe().graphs_available and p.devices != {"cuda"}:
-            return ("cpu_inputs", f"inputs on {', '.join(sorted(p.devices))}: graphs need every tensor "
-                    "input on the GPU", logging.INFO)
+            return Fallback(Reason.CPU_INPUTS, f"inputs on {', '.join(sorted(p.devices))}: graphs need every "
+                            "tensor input on the GPU", logging.INFO)
         if not self.buckets:
             what = (f"the fixed batch size {p.fixed_batch}" if p.fixed_batch is not None
                     else f"the batch sizes this frame admits {p.batch_range}")
-            return "oversize", f"no bucket fits {what}", logging.INFO
+            return Fallback(Reason.OVERSIZE, f"no bucket fits {what}", logging.INFO)
         return None
 
-    def _agreed_why(self, ranks: RankSession, why: tuple[str, str, int] | None) -> tuple[str, str, int] | None:
+    def _agreed_why(self, ranks: RankSession, why: Fallback | None) -> Fallback | None:
         """Graphed on every rank or on none: one round once compiled, naming the ranks that refuse."""
-        mine = (Status.REFUSED, f"{why[0]}: {why[1]}") if why is not None else (Status.OK, "")
+        mine = (Status.REFUSED, str(why)) if why is not None else (Status.OK, "")
         bad = failures(ranks.settle(Round.SUBGRAPH, len(self.plan.slots), lambda: mine))
         if why is None and bad:
-            return ("rank_disagrees", f"other ranks run this subgraph without graphs ({describe_failures(bad)}), "
-                    "so this rank does too: its collectives must run the same way everywhere", logging.WARNING)
+            return Fallback(Reason.RANK_DISAGREES, f"other ranks run this subgraph without graphs "
+                            f"({describe_failures(bad)}), so this rank does too: its collectives must run the same "
+                            "way everywhere", logging.WARNING)
         return why
 
-    def _ungraph(self, reason: str, detail: str, level: int) -> None:
+    def _ungraph(self, why: Fallback) -> None:
         self.state = SubgraphState.UNGRAPHED
-        self.reason, self.detail, self._level = reason, detail, level
+        self.fallback = why
         self.close()
 
     # -------------------------------------------------------------- call
@@ -213,7 +240,7 @@ class CompiledSubgraph:
                 return out
             state = self.state
         if state is SubgraphState.UNGRAPHED:
-            stats.record_fallback(self.reason or "ungraphed", self.detail, level=self._level)
+            stats.record_fallback(self.fallback or _UNGRAPHED_FALLBACK)
             return self._fn(*args)
         return self._lazy(args)
 
@@ -225,9 +252,9 @@ class CompiledSubgraph:
                     self._compile(list(args))
         if self.state is not SubgraphState.LAZY:
             return self(*args)
-        stats.record_fallback("static_shape_warmup", "a frame with every shape specialised runs the traced "
-                               f"graph eagerly until its call {self.opts.static_compile_after}",
-                               level=logging.DEBUG)
+        stats.record_fallback(Fallback(Reason.STATIC_SHAPE_WARMUP, "a frame with every shape specialised runs "
+                                       f"the traced graph eagerly until its call {self.opts.static_compile_after}",
+                                       logging.DEBUG))
         return self._fn(*args)
 
     def _graphed(self, args: tuple[Any, ...]) -> Any:
@@ -237,8 +264,7 @@ class CompiledSubgraph:
             if self._ref_idx and not pointers_equal(args, self._ref_ptrs, self._ref_idx):
                 self._rebind(args)
             if self._follow and not self._follows_batch(args):
-                stats.record_fallback("batch_mismatch", "a size that usually equals the batch size differs "
-                                       "from it in this call")
+                stats.record_fallback(_BATCH_MISMATCH)
                 return self._fn(*args)
             key = self._key(args) if self._key_parts else ()
             v = self._variants.get(key)
@@ -246,17 +272,15 @@ class CompiledSubgraph:
                 v = self._new_variant(key, args)
                 if v is None:
                     if self.state is SubgraphState.GRAPHED:  # over max_variants: this call only
-                        stats.record_fallback("max_variants", f"more than {self.opts.max_variants} shape/"
-                                               "constant variants of one subgraph")
+                        stats.record_fallback(Fallback(Reason.MAX_VARIANTS, f"more than {self.opts.max_variants} "
+                                                       "shape/constant variants of one subgraph"))
                         return self._fn(*args)
                     return _UNGRAPHED
             for i, buf in v.owned:
                 buf.copy_(args[i])
-            # the pool pads, checks a bucket's first padded call against an unpadded run, validates, and
-            # never pads a subgraph that writes its state (stateful)
+            # the pool pads where the graph's row analysis allows it, checks a bucket's first padded call
+            # with poisoned padding, validates, and never pads a subgraph that writes its state
             out = v.pool(*[args[i] for i in self._batched_idx])
-            if v.pool.row_coupled:  # rows depend on each other: the pool answered eagerly; stop graphing
-                self._ungraph("padding_changes_results", next(iter(v.pool.row_coupled.values())), logging.WARNING)
             if self.plan.int_outputs:
                 out = self._fix_int_outputs(out, args)
             return out
@@ -293,16 +317,15 @@ class CompiledSubgraph:
             return None
         bad = [self.plan.slots[i].name for i in self._batched_idx if not args[i].is_contiguous()]
         if bad:  # the pool's buffers are contiguous; the compiled code expects these strides
-            self._ungraph("strided_input", f"batched input(s) {', '.join(bad)} are not contiguous",
-                          logging.WARNING)
+            self._ungraph(Fallback(Reason.STRIDED_INPUT, f"batched input(s) {', '.join(bad)} are not contiguous"))
             return None
         template: list[Any] = list(args)
         owned = []
         for i in self._owned_idx:
             template[i] = buf = args[i].detach().clone()  # keeps the strides the compiled code expects...
             if buf.stride() != args[i].stride():  # ...unless they overlap (expanded): no static copy has them
-                self._ungraph("strided_input", f"input {self.plan.slots[i].name} has overlapping strides "
-                              f"{args[i].stride()}", logging.WARNING)
+                self._ungraph(Fallback(Reason.STRIDED_INPUT, f"input {self.plan.slots[i].name} has overlapping "
+                                       f"strides {args[i].stride()}"))
                 return None
             owned.append((i, buf))
         for i in self._batched_idx:
@@ -312,14 +335,13 @@ class CompiledSubgraph:
         o = self.opts
         # a state-writing subgraph warms up at most once: that run is the call's own (the pool's rule)
         warmup = min(o.warmup_iters, 1) if self._writes_state else o.warmup_iters
-        # which outputs carry the batch comes from the FX graph: the pool's probe at another batch size
-        # could lie outside what the frame's guards admit (dynamo specialises size 1)
-        pool = ShapeBucketPool(self._runner(template), self.buckets,
-                               batched_outputs=_leaf_flags(self.plan.batched_outputs), stateful=self._writes_state,
-                               batch_dim=o.batch_dim, pad_value=o.pad_value, copy_outputs=o.copy_outputs,
-                               oversize="eager", warmup_iters=warmup, vram_cap=o.vram_cap, progress=False,
-                               simulate_padding=o.simulate_padding,
-                               process_group=o.process_group if self.plan.collectives else None)
+        # which outputs carry the batch comes from the FX graph; whether rows are independent from the graph's
+        # row analysis (a run at another batch size could lie outside what the frame's guards admit)
+        pool_opts = o.pool.replace(buckets=tuple(self.buckets), batched_outputs=_leaf_flags(self.plan.batched_outputs),
+                                   stateful=self._writes_state, oversize="eager", warmup_iters=warmup, progress=False,
+                                   process_group=o.process_group if self.plan.collectives else None)
+        pool = ShapeBucketPool.from_options(self._runner(template), pool_opts, verdict=self.verdict,
+                                            what="gfxgraph backend subgraph")
         v = self._variants[key] = _Variant(pool, owned)
         return v
 
@@ -378,12 +400,15 @@ class CompiledSubgraph:
                 v.pool.close()
 
     def __repr__(self) -> str:
-        why = f", reason={self.reason!r}" if self.reason else ""
+        why = f", reason={str(self.reason)!r}" if self.reason else ""
         return (f"CompiledSubgraph(state={self.state.value}{why}, compiler={self.compiler}, "
                 f"buckets={self.buckets}, captured={self.captured_buckets})")
 
 
 _UNGRAPHED = object()  # _graphed's answer when the subgraph just turned UNGRAPHED
+_UNGRAPHED_FALLBACK = Fallback(Reason.COMPILE_FAILED, "the subgraph runs compiled, without graphs")
+_BATCH_MISMATCH = Fallback(Reason.BATCH_MISMATCH, "a size that usually equals the batch size differs from it in "
+                           "this call")
 
 _CONST = -1  # key-part mode of a constant argument (else a tensor's batch dim, or None: its whole shape)
 

@@ -55,6 +55,7 @@ import torch
 from .. import config, stats
 from .._torch_compat import pytree
 from ..checks import check_bool, check_int
+from ..fallbacks import Fallback, Reason
 from ..graph.bridged import SafeCUDAGraph
 from ..graph.capture import check_capture_mode, frozen_gc, warm_up
 from ..log import logger
@@ -111,7 +112,7 @@ class _Branch:
     graph: SafeCUDAGraph | None = None  # its own graph (dispatch), once captured
     outputs: Any = None  # static outputs of that graph
     layout: Any = None  # output_layout() of its outputs (None when unknown)
-    reason: str = ""  # fallback reason key while it runs eagerly
+    reason: Reason = Reason.EAGER  # fallback reason while it runs eagerly
     failed: str | None = None  # why it runs eagerly
 
 
@@ -268,7 +269,7 @@ class ConditionalGraph:
         with torch.no_grad():
             self._static_input = clone_tree(example_input)
             for b in self._branches:
-                b.reason, b.failed = "no_gpu", reason
+                b.reason, b.failed = Reason.NO_GPU, reason
                 try:
                     b.layout = output_layout(b.fn(self._static_input))
                 except Exception as exc:  # it raises again, for the caller, when it is run
@@ -290,7 +291,7 @@ class ConditionalGraph:
                 b.layout = output_layout(out)
             del out
         except Exception as exc:
-            b.reason, b.failed = "warmup_failed", f"branch {b.name!r}: {type(exc).__name__}: {exc}"
+            b.reason, b.failed = Reason.WARMUP_FAILED, f"branch {b.name!r}: {type(exc).__name__}: {exc}"
             logger.warning("gfxgraph: branch %r runs eagerly: warm-up raised %s", b.name, exc)
             return
         g = SafeCUDAGraph()
@@ -299,7 +300,7 @@ class ConditionalGraph:
                                               capture_error_mode=site.capture_error_mode):
                 out = b.fn(self._static_input)
         except Exception as exc:
-            b.reason, b.failed = "capture_failed", f"branch {b.name!r}: {type(exc).__name__}: {exc}"
+            b.reason, b.failed = Reason.CAPTURE_FAILED, f"branch {b.name!r}: {type(exc).__name__}: {exc}"
             logger.warning("gfxgraph: branch %r runs eagerly from now on: capture failed: %s", b.name, exc)
             self._retire_pool()
             return
@@ -415,7 +416,7 @@ class ConditionalGraph:
     def _eager(self, b: _Branch, input_tensor: Any) -> Any:
         if input_tensor is not None:
             check_same_layout("input_tensor", self._static_input, input_tensor)
-        stats.record_fallback(b.reason, b.failed or "")
+        stats.record_fallback(Fallback(b.reason, b.failed or ""))
         x = self._static_input if input_tensor is None else input_tensor
         with torch.no_grad():
             return b.fn(x)

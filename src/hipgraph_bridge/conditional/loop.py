@@ -52,6 +52,7 @@ import torch
 
 from .. import stats
 from ..checks import check_int
+from ..fallbacks import Fallback, Reason
 from ..graph.bridged import SafeCUDAGraph
 from ..graph.capture import frozen_gc, warm_up
 from ..log import logger
@@ -164,7 +165,7 @@ class DeviceWhileLoop:
         self._graph: Any = None
         self._pool: Any = None
         self._flag: torch.Tensor | None = None
-        self._fallback: tuple[str, str] | None = None
+        self._fallback: Fallback | None = None
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None  # (outer, body)
         self._lock = threading.RLock()
 
@@ -197,7 +198,7 @@ class DeviceWhileLoop:
             strategy, why = resolve_loop_strategy(self.requested_strategy)
             self._strategy, self._strategy_reason = strategy, why
             if strategy == "eager":
-                self._fallback = ("no_gpu", why)
+                self._fallback = Fallback(Reason.NO_GPU, why)
                 return
             if self._device.type != "cuda":
                 raise ValueError(f"state: expected CUDA tensors for a captured loop, got {self._device}")
@@ -212,7 +213,7 @@ class DeviceWhileLoop:
                 self._graph = None
                 self._strategy = "eager"
                 self._strategy_reason = f"{strategy} capture failed: {type(exc).__name__}: {exc}"
-                self._fallback = ("capture_failed", self._strategy_reason)
+                self._fallback = Fallback(Reason.CAPTURE_FAILED, self._strategy_reason)
                 logger.warning("gfxgraph: DeviceWhileLoop runs eagerly from now on: %s", self._strategy_reason)
             logger.debug("gfxgraph: DeviceWhileLoop strategy %s (%s)", self._strategy, self._strategy_reason)
 
@@ -343,8 +344,7 @@ class DeviceWhileLoop:
         self._counter.fill_(done)
 
     def _run_eager(self) -> None:
-        reason, detail = self._fallback or ("eager", "")
-        stats.record_fallback(reason, detail)
+        stats.record_fallback(self._fallback or Fallback(Reason.EAGER))
         done = 0
         with torch.no_grad():
             go = bool(self._cond_tensor().reshape(()).item())

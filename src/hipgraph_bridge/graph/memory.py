@@ -44,7 +44,7 @@ def graph_pool_bytes(pools: Iterable[object] | None = None, *, device: int | Non
 
 
 def graph_pool_ids(*, device: int | None = None) -> set[tuple[int, int]]:
-    """The private pools (graph pools, and ``MemPool``\ s such as a conditional body's) that hold memory
+    """The private pools (graph pools, and ``MemPool`` objects such as a conditional body's) that hold memory
     now, as the ``(int, int)`` keys :func:`graph_pool_bytes` takes (which counts the same pools).
 
     The difference of two calls names the pools made in between: their bytes are a

@@ -21,8 +21,9 @@ The rounds (:class:`Round`), one per decision point of a pool:
 * ``capture_end``: a warm-up or capture that failed on any rank makes every
   rank drop its graph and run that bucket eagerly, the reason naming the
   rank and its error.
-* ``padding_check``, ``probe``: a bucket's first padded call compared with
-  eager, and the run at another size that learns which outputs carry the batch.
+* ``rows``: whether a key of constant arguments may be padded (each rank's row
+  analysis; any rank that refuses makes every rank run exact sizes).
+* ``padding_check``: a bucket's padding check (the poisoned replays).
 * ``subgraph``: the compile backend's choice to graph a subgraph or not.
 
 A rank that leaves a call by raising inside one of these steps first casts
@@ -72,13 +73,13 @@ class Round(enum.IntEnum):
     CAPTURE_BEGIN = 3
     CAPTURE_END = 4
     PADDING_CHECK = 5
-    PROBE = 6
+    ROWS = 6
     SUBGRAPH = 7
 
 
 class Status(enum.IntEnum):
     OK = 0
-    REFUSED = 1  # this rank will not (the VRAM cap), or saw a problem (padding changed a result, a probe failed)
+    REFUSED = 1  # this rank will not (the VRAM cap, padding it cannot prove), or saw padding change a result
     CAPTURE_FAILED = 2  # the warm-up ran, the capture failed
     WARMUP_FAILED = 3  # the model raised before its capture
     RAISED = 4  # this rank leaves the call with an exception
