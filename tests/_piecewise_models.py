@@ -2,7 +2,8 @@
 
 The custom ops are registered once per process here (``gfxtest::attn``, a splitting
 op that records the shapes it sees; ``gfxtest::rowmix``, an op that mixes rows where
-no graph can show it).
+no graph can show it, which the row analysis does not know; ``gfxtest::rowmix_pointwise``, the
+same op tagged pointwise, which the analysis believes and the padding check catches).
 """
 
 from __future__ import annotations
@@ -38,6 +39,16 @@ def _rowmix(x: torch.Tensor) -> torch.Tensor:
 
 
 @_rowmix.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("gfxtest::rowmix_pointwise", mutates_args=(), tags=(torch.Tag.pointwise,))
+def _rowmix_pointwise(x: torch.Tensor) -> torch.Tensor:
+    return x + x.sum(dim=1, keepdim=True)  # tagged pointwise, but mixes the rows: the trace believes the tag
+
+
+@_rowmix_pointwise.register_fake
 def _(x):
     return torch.empty_like(x)
 
@@ -80,6 +91,8 @@ class Block(nn.Module):
             h = h - h.mean(dim=1, keepdim=True)  # a reduction over the sequence: padding would change it
         elif self.extra == "rowmix":
             h = torch.ops.gfxtest.rowmix(h)
+        elif self.extra == "rowmix_pointwise":
+            h = torch.ops.gfxtest.rowmix_pointwise(h)
         return x + h
 
 

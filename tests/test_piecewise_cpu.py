@@ -19,9 +19,11 @@ from torch import nn
 import gfxgraph
 from hipgraph_bridge import compile as cb
 from hipgraph_bridge.compile import BackendOptions, PiecewiseSubgraph, SubgraphState, backend_stats, register
-from hipgraph_bridge.compile.hazards import padding_hazard
+from hipgraph_bridge.padding.fx import trace_graph
 from hipgraph_bridge.compile.splitting import DEFAULT_SPLITTING_OPS, SplittingOps, parse_splitting_ops
 from hipgraph_bridge.errors import ConfigError
+from hipgraph_bridge.fallbacks import Fallback, Reason
+from hipgraph_bridge.graph.capturer import Captured
 
 from _piecewise_models import BEFORE, SEEN, CachedAttention, TinyLM, frames, fresh_dynamo  # noqa: F401 (autouse)
 
@@ -191,16 +193,25 @@ def test_a_reduction_over_the_sequence_runs_that_piece_unpadded():
     run_lengths(m, [5, 7, 9, 13])
     (frame,) = frames()
     status = [p.status() for p in frame.pieces]
-    assert status[:2] == ["graphed", "graphed"] and status[2] == "unpadded: padding_unsafe", status
-    assert "mean" in frame.pieces[2].block[1]
-    assert gfxgraph.stats()["fallback_reasons"].get("padding_unsafe", 0) >= 2
+    assert status[:2] == ["graphed", "graphed"] and status[2] == "unpadded: rows_coupled", status
+    assert "aten.mean" in frame.pieces[2].block.detail
+    assert gfxgraph.stats()["fallback_reasons"].get("rows_coupled", 0) >= 2
 
 
-def test_rows_mixed_where_the_graph_cannot_show_it_are_caught_by_the_first_padded_call():
+def test_an_op_the_row_analysis_does_not_know_runs_that_piece_unpadded():
     m = TinyLM(extra="rowmix").eval()
     run_lengths(m, [5, 7, 9, 13, 6])
     (frame,) = frames()
+    assert frame.pieces[2].status() == "unpadded: unproven" and "gfxtest.rowmix" in frame.pieces[2].block.detail
+    assert [p.status() for p in frame.pieces[:2]] == ["graphed", "graphed"]
+
+
+def test_rows_mixed_where_the_trace_is_misled_are_caught_by_the_padding_check():
+    m = TinyLM(extra="rowmix_pointwise").eval()
+    run_lengths(m, [5, 7, 9, 13, 6])
+    (frame,) = frames()
     assert frame.pieces[2].status() == "unpadded: padding_changes_results"
+    assert "NaN" in frame.pieces[2].block.detail  # the poisoned padding reached the real rows
     assert [p.status() for p in frame.pieces[:2]] == ["graphed", "graphed"]
     assert gfxgraph.stats()["fallback_reasons"].get("padding_changes_results", 0) >= 1
 
@@ -242,9 +253,12 @@ def _gm(fn, *shapes):
     (lambda x: x.view(x.shape[0], x.shape[1] // 2, 16), True),  # pairs of rows
     (lambda x: x.reshape(x.shape[0], -1), False),  # whole rows merged
 ])
-def test_padding_hazard_finds_ops_along_the_token_dim(fn, hazard):
+def test_the_row_analysis_finds_ops_along_the_token_dim(fn, hazard):
     gm, s = _gm(fn, (2, 6, 8))
-    assert (padding_hazard(gm, s) is not None) == hazard, padding_hazard(gm, s)
+    fakes = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+    first = next(i for i, f in enumerate(fakes) if isinstance(f, torch.Tensor))
+    verdict = trace_graph(gm, fakes, batched={first: 1}, symbols={s})
+    assert (verdict.reason is not None) == hazard, verdict
 
 
 # ------------------------------------------------------------------ state, validation
@@ -260,9 +274,9 @@ def test_a_piece_that_writes_a_static_cache_is_never_padded():
             torch.testing.assert_close(m.v_cache, ref.v_cache)
     (frame,) = frames()
     writer = frame.pieces[0]
-    assert writer.stateful and writer.status() == "unpadded: padded_state_write"
+    assert writer.stateful and writer.status() == "unpadded: stateful"
     assert {k[0] for k in writer.entries} <= {4, 8, 16}  # graphed only where the count is a bucket
-    assert gfxgraph.stats()["fallback_reasons"].get("padded_state_write", 0) >= 2
+    assert gfxgraph.stats()["fallback_reasons"].get("stateful", 0) >= 2
 
 
 def test_validate_mode_checks_every_piece_call():
@@ -362,14 +376,12 @@ class _FakeCapturer:
     def forget_growth(self) -> None:
         pass
 
-    def capture(self, run, bucket, *, keep_warm, freeze_gc, warmup_iters=None):
-        from hipgraph_bridge.bucketing.capture import Captured
-
+    def capture(self, run, what, *, warm=None, keep_warm=False, freeze_gc=True, cap_checked=False):
         c = Captured(stage="warm_up")
         try:
             warm = run()
         except Exception as exc:
-            c.error, c.failed, c.reason = exc, f"bucket {bucket}: {exc}", "capture_failed"
+            c.error, c.fallback = exc, Fallback(Reason.WARMUP_FAILED, f"{what}: {exc}")
             return c
         c.warm = warm if keep_warm else None
         # a capture runs no kernels: the outputs hold garbage until the first replay
@@ -396,8 +408,9 @@ def fake_graphs(monkeypatch):
     monkeypatch.setattr(pieces, "record_on_current_stream", lambda leaves: None)
 
 
-@pytest.mark.parametrize("extra,status", [("", "graphed"), ("seq_mean", "unpadded: padding_unsafe"),
-                                          ("rowmix", "unpadded: padding_changes_results")])
+@pytest.mark.parametrize("extra,status", [("", "graphed"), ("seq_mean", "unpadded: rows_coupled"),
+                                          ("rowmix", "unpadded: unproven"),
+                                          ("rowmix_pointwise", "unpadded: padding_changes_results")])
 def test_the_gpu_path_with_simulated_graphs_equals_eager(fake_graphs, extra, status):
     m = TinyLM(extra=extra).eval()
     run_lengths(m, [5, 7, 9, 3, 16, 17, 33, 12, 2, 64, 40, 7, 9, 17, 33, 16], options={"simulate_padding": False})
@@ -424,7 +437,7 @@ def test_the_gpu_path_with_a_static_cache_and_decode(fake_graphs):
                 torch.testing.assert_close(m.k_cache, ref.k_cache)
     (frame,) = frames()
     writer = frame.pieces[0]
-    assert writer.status() == "unpadded: padded_state_write" and writer.captured_buckets == [8, 16, 32]
+    assert writer.status() == "unpadded: stateful" and writer.captured_buckets == [8, 16, 32]
     assert frame.report()["piece_eager_runs"] == 1  # the 5-token prompt: padding would write the cache
 
 

@@ -12,7 +12,7 @@ import torch
 import gfxgraph
 from conftest import GPU_SKIP_REASON
 from gfxgraph import BridgedCUDAGraph, ShapeBucketPool, default_buckets
-from hipgraph_bridge.bucketing import validate_buckets
+from hipgraph_bridge.graph.buckets import BucketTable, validate_buckets
 
 cpu_only = pytest.mark.skipif(GPU_SKIP_REASON is None, reason="exercises the no-GPU pipeline")
 
@@ -88,16 +88,17 @@ def test_padding_and_slicing_through_the_pipeline():
 
     pool = ShapeBucketPool(model, [4, 8], pad_value=-1, simulate_padding=True)
     x = torch.arange(15.0).reshape(5, 3)
+    y, s = pool(x)  # the first call: one run on its own 5 rows, traced (rows proven independent)
+    assert seen_shapes == [(5, 3)] and torch.equal(y, x * 2) and torch.equal(s, x.sum(dim=1))
     y, s = pool(x)
-    assert (8, 3) in seen_shapes  # padded up to bucket 8
+    assert seen_shapes[-1] == (8, 3)  # padded up to bucket 8
     assert torch.equal(y, x * 2) and torch.equal(s, x.sum(dim=1))
     assert y.shape == (5, 3) and s.shape == (5,)
     buf = pool.static_inputs[0]
     assert torch.equal(buf[5:8], torch.full((3, 3), -1.0))  # padding rows hold pad_value
     y2, _ = pool(torch.ones(2, 3))
-    # padded to bucket 4, then (the bucket's first padded call) checked against a run on the 2 rows
-    assert seen_shapes[-2:] == [(4, 3), (2, 3)] and torch.equal(y2, torch.full((2, 3), 2.0))
-    assert gfxgraph.stats()["fallback_reasons"]["no_gpu"] == 2
+    assert seen_shapes[-1] == (4, 3) and torch.equal(y2, torch.full((2, 3), 2.0))  # one run per call
+    assert len(seen_shapes) == 3 and gfxgraph.stats()["fallback_reasons"]["no_gpu"] == 3
 
 
 @cpu_only
@@ -107,7 +108,7 @@ def test_every_size_matches_eager_with_pytrees_and_kwargs():
 
     def model(inputs, *, mask, scale):
         h = lin(inputs["a"]) + inputs["b"][:, :4]
-        return {"h": h * mask * scale, "pooled": (h * mask).sum(0), "n": 3}
+        return {"h": h * mask * scale, "first": h[:, 0], "n": 3}
 
     pool = ShapeBucketPool(model, [1, 2, 4, 8, 16], simulate_padding=True)
     for n in range(1, 17):
@@ -116,8 +117,29 @@ def test_every_size_matches_eager_with_pytrees_and_kwargs():
         want = model({"a": a, "b": b}, mask=mask, scale=0.5)
         assert got.keys() == want.keys() and got["n"] == 3
         torch.testing.assert_close(got["h"], want["h"])
-        # "pooled" has 4 columns, like bucket 4 has rows: the pool must not mistake it for a batch
-        torch.testing.assert_close(got["pooled"], want["pooled"])  # padding rows are zeros: no effect
+        torch.testing.assert_close(got["first"], want["first"])
+    assert not pool.unpadded and pool.bucket_for(3) == 4
+
+
+@cpu_only
+def test_a_pytree_output_that_sums_over_the_batch_is_never_padded():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(6, 4)
+    runs = []
+
+    def model(x):
+        runs.append(x.shape[0])
+        h = lin(x)
+        return {"h": h, "pooled": h.sum(0)}  # 4 columns, like bucket 4 has rows: found by the trace, not sizes
+
+    pool = ShapeBucketPool(model, [4, 8], simulate_padding=True)
+    for n in (3, 5, 3, 7):
+        x = torch.randn(n, 6)
+        got, want = pool(x), model(x)
+        torch.testing.assert_close(got["pooled"], want["pooled"])
+        torch.testing.assert_close(got["h"], want["h"])
+    assert runs[::2] == [3, 5, 3, 7]  # pool runs only: every one on the caller's own rows
+    assert pool.unpadded[()].reason == "rows_coupled" and "aten.sum" in pool.unpadded[()].detail
 
 
 @cpu_only
@@ -194,7 +216,7 @@ def test_constants_are_part_of_the_key():
     x = torch.ones(3, 1)
     assert torch.equal(pool(x, "double"), x * 2)
     assert torch.equal(pool(x, "triple"), x * 3)
-    assert len(pool._entries) == 2
+    assert set(pool._engine.keys) == {("double",), ("triple",)}  # one row analysis and one graph set per key
 
 
 @cpu_only
@@ -223,7 +245,7 @@ def test_fast_path_sends_other_constant_kinds_to_the_full_checks():
 
 def test_a_call_from_another_stream_waits_for_the_default_stream(monkeypatch):
     """The default stream's handle is 0: the first call on it must still be remembered."""
-    from hipgraph_bridge.bucketing import ordering
+    from hipgraph_bridge.graph import ordering
 
     class FakeStream:
         def __init__(self, handle: int) -> None:
@@ -266,22 +288,32 @@ def test_without_a_gpu_calls_run_the_model_on_the_callers_arguments():
 
 
 @cpu_only
-def test_the_first_padded_call_of_a_row_coupled_model_is_caught():
-    def model(x):
-        return x - x.mean(0)
+@pytest.mark.parametrize("model", [
+    lambda x: x - x.mean(0),
+    lambda x: (x - x.min(0).values) / (x.max(0).values - x.min(0).values),
+    lambda x: x - x.max(0).values,
+])
+def test_a_row_coupled_model_is_never_padded_whatever_the_data(model):
+    seen = []
 
-    pool = ShapeBucketPool(model, [4, 8], simulate_padding=True)
-    x = torch.randn(5, 2)
-    torch.testing.assert_close(pool(x), model(x))  # the padded result differed: the eager one is returned
-    assert pool.row_coupled and "padded to 8" in next(iter(pool.row_coupled.values()))
-    torch.testing.assert_close(pool(torch.ones(3, 2)), torch.zeros(3, 2))  # padded calls run eagerly now
-    reasons = gfxgraph.stats()["fallback_reasons"]
-    assert reasons["padding_changes_results"] == 2
-    torch.testing.assert_close(pool(torch.ones(4, 2)), torch.zeros(4, 2))  # a full bucket needs no padding
+    def traced(x):
+        seen.append(x.shape[0])
+        return model(x)
+
+    pool = ShapeBucketPool(traced, [4, 8], simulate_padding=True)
+    # data on which padding happens to change nothing for min/max (the old one-call check passed it)
+    first = torch.tensor([[-2., -1], [1, 2], [.3, -.2]])
+    torch.testing.assert_close(pool(first), model(first))
+    for n in (3, 5, 3, 6):
+        x = torch.rand(n, 2) + 1
+        torch.testing.assert_close(pool(x), model(x))
+    assert seen == [3, 3, 5, 3, 6]  # every run on the caller's own rows: never padded
+    assert pool.unpadded[()].reason == "rows_coupled"
+    assert gfxgraph.stats()["fallback_reasons"]["rows_coupled"] == 1  # decided once, by the trace
 
 
 @cpu_only
-def test_the_padding_check_runs_once_per_bucket():
+def test_each_call_runs_the_model_once():
     rows = []
 
     def model(x):
@@ -291,52 +323,45 @@ def test_the_padding_check_runs_once_per_bucket():
     pool = ShapeBucketPool(model, [8], simulate_padding=True)
     for _ in range(3):
         torch.testing.assert_close(pool(torch.ones(5, 2)), torch.full((5, 2), 2.0))
-    assert rows.count(5) == 1 and rows.count(8) == 3  # one eager comparison; every call padded to 8
+    assert rows == [5, 8, 8]  # the first on its own rows (traced), then padded to 8
 
 
 @cpu_only
-def test_a_stateful_model_is_never_padded():
+@pytest.mark.parametrize("given", [True, None])
+def test_a_stateful_model_is_never_padded(given):
     steps = []
+    seen = torch.zeros(())
 
     def model(x):
         steps.append(x.shape[0])
+        seen.add_(1)  # state the call did not create: found by the trace when not given
         return x * 2
 
-    pool = ShapeBucketPool(model, [4], stateful=True, simulate_padding=True)
+    pool = ShapeBucketPool(model, [4], stateful=given, simulate_padding=True)
     torch.testing.assert_close(pool(torch.ones(3, 2)), torch.full((3, 2), 2.0))
-    assert steps == [3]  # on the caller's 3 rows, once: a graph of exactly 3 rows, never padded
-    assert (3, ()) in pool._entries and gfxgraph.stats()["fallback_reasons"].get("padded_state_write") is None
+    assert steps == [3] and pool.stateful  # on the caller's 3 rows, once: never padded
+    assert pool.bucket_for(3) == 3 and pool.unpadded[()].reason == "stateful"
     pool(torch.ones(4, 2))
-    assert steps == [3, 4]
+    pool(torch.ones(2, 2))
+    assert steps == [3, 4, 2] and seen.item() == 3
 
 
 @cpu_only
-def test_one_bucket_learns_which_outputs_carry_the_batch():
-    """A (4,) output with bucket 4 is not batched: a probe at another batch size tells it apart."""
+def test_which_outputs_carry_the_batch_comes_from_the_trace():
+    """A (4,) output with bucket 4 is not batched, and the pool never runs the model at another size to tell."""
     bias = torch.arange(4.0)
+    sizes = []
 
     def model(x):
+        sizes.append(x.shape[0])
         return x * 2, bias + x.shape[1]
 
     pool = ShapeBucketPool(model, [4], simulate_padding=True)
-    y, b = pool(torch.ones(3, 4))
-    assert y.shape == (3, 4) and b.shape == (4,)
-    torch.testing.assert_close(b, bias + 4)
-
-
-@cpu_only
-def test_outputs_that_cannot_be_learnt_run_padded_calls_eagerly(caplog):
-    def model(x):
-        if x.shape[0] != 4:
-            raise RuntimeError("this model only takes 4 rows")
-        return x * 2
-
-    pool = ShapeBucketPool(model, [4], simulate_padding=True)
-    pool(torch.ones(4, 2))  # fills the bucket: learning is attempted, the probe fails
-    assert "could not be learnt" in caplog.text
-    with pytest.raises(RuntimeError, match="only takes 4 rows"):  # padded: eager, on the caller's 3 rows
-        pool(torch.ones(3, 2))
-    assert gfxgraph.stats()["fallback_reasons"]["unknown_outputs"] == 1
+    for n in (4, 3, 4):
+        y, b = pool(torch.ones(n, 4))
+        assert y.shape == (n, 4) and b.shape == (4,)
+        torch.testing.assert_close(b, bias + 4)
+    assert sizes == [4, 4, 4]
 
 
 @cpu_only
@@ -350,14 +375,13 @@ def test_a_model_that_raises_only_on_the_padded_inputs_runs_that_bucket_eagerly(
         return x + 1
 
     pool = ShapeBucketPool(model, [4, 8], simulate_padding=True)
-    torch.testing.assert_close(pool(torch.zeros(5, 2)), torch.ones(5, 2))  # padded to 8: raised; eager on 5
-    assert seen == [8, 5] and 8 in pool.failed_buckets
-    torch.testing.assert_close(pool(torch.zeros(6, 2)), torch.ones(6, 2))
-    assert seen == [8, 5, 6]  # the failed bucket runs eagerly without trying the padded run again
+    torch.testing.assert_close(pool(torch.zeros(5, 2)), torch.ones(5, 2))  # its own 5 rows (traced)
+    torch.testing.assert_close(pool(torch.zeros(6, 2)), torch.ones(6, 2))  # padded to 8: raised; eager on 6
+    assert seen == [5, 8, 6] and 8 in pool.failed_buckets
+    torch.testing.assert_close(pool(torch.zeros(7, 2)), torch.ones(7, 2))
+    assert seen == [5, 8, 6, 7]  # the failed bucket runs eagerly without trying the padded run again
     reasons = gfxgraph.stats()["fallback_reasons"]
-    assert reasons["padded_run_failed"] == 2 and "capture_failed" not in reasons and "no_gpu" not in reasons
-    assert gfxgraph.stats()["fallback_count"] == 2  # one reason per call
-    assert pool._last_eager is None  # an eager result is not kept alive by the pool
+    assert reasons["padded_run_failed"] == 2 and "capture_failed" not in reasons
 
 
 @cpu_only
@@ -370,7 +394,7 @@ def test_a_model_that_raises_on_the_callers_arguments_too_raises_its_error_and_f
     pool = ShapeBucketPool(model, [4], simulate_padding=True)
     with pytest.raises(ValueError, match="expected 2 features"):
         pool(torch.zeros(3, 5))
-    assert pool._inputs is None and not pool.failed_buckets  # the first call fixed no layout, failed no bucket
+    assert not pool.static_inputs and not pool.failed_buckets  # the first call fixed no layout, failed no bucket
     torch.testing.assert_close(pool(torch.zeros(3, 2)), torch.ones(3, 2))
 
 
@@ -389,15 +413,22 @@ def test_a_stateful_model_that_raises_runs_once_and_raises():
 
 
 @cpu_only
-def test_outputs_that_cannot_be_learnt_in_a_padded_call_run_it_eagerly():
-    def model(x):
-        if x.shape[0] in (1, 7):  # the probe sizes of bucket 8
-            raise RuntimeError("odd sizes unsupported")
-        return x * 2
-
-    pool = ShapeBucketPool(model, [8], simulate_padding=True)
-    torch.testing.assert_close(pool(torch.ones(5, 2)), torch.full((5, 2), 2.0))
-    assert gfxgraph.stats()["fallback_reasons"]["unknown_outputs"] == 1
+def test_a_module_in_training_mode_with_batch_norm_or_dropout_is_not_padded():
+    torch.manual_seed(0)
+    bn = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)).train()
+    ref = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)).train()
+    ref.load_state_dict(bn.state_dict())
+    pool = ShapeBucketPool(bn, [4, 8], simulate_padding=True)
+    for n in (3, 5, 3, 2, 7, 6):
+        x = torch.randn(n, 3)
+        torch.testing.assert_close(pool(x), ref(x))
+    assert bn[1].num_batches_tracked.item() == ref[1].num_batches_tracked.item() == 6  # as many runs as calls
+    torch.testing.assert_close(bn[1].running_mean, ref[1].running_mean)
+    why = pool.unpadded[()]
+    assert why.reason == "training_layers" and "BatchNorm1d '1'" in why.detail and "model.eval()" in why.detail
+    drop = ShapeBucketPool(torch.nn.Dropout(0.5).train(), [4], simulate_padding=True)
+    drop(torch.ones(3, 2))
+    assert drop.unpadded[()].reason == "training_layers"
 
 
 def test_stateful_with_several_warm_up_runs_is_refused():

@@ -44,43 +44,44 @@ def test_padding_is_filled_only_after_a_larger_call_left_rows_there():
         buf = pool.static_inputs[0]
         assert counter.fills == fills, (n, counter.fills)
         assert torch.equal(buf[n:], torch.full((8 - n, 4), -1.0)), n  # the padding always holds pad_value
-    assert pool._inputs.dirty == 2
+    assert pool._engine.inputs.dirty == 2
 
 
 @cpu_only
 def test_capture_all_examples_count_as_real_rows():
     pool = ShapeBucketPool(lambda x: x + 1, [4, 8], simulate_padding=True)
     pool.capture_all(torch.ones(2, 3))
-    assert pool._inputs.dirty == 8
+    assert pool._engine.inputs.dirty == 8
     y = torch.randn(3, 3)
-    torch.testing.assert_close(pool(y), y + 1)
+    torch.testing.assert_close(pool(y), y + 1)  # the first call: its own rows only, nothing padded yet
+    torch.testing.assert_close(pool(y), y + 1)  # padded to 4
     # the fill reaches every row the examples left, beyond the bucket too: later calls find them clean
-    assert torch.equal(pool.static_inputs[0][3:8], torch.zeros(5, 3)) and pool._inputs.dirty == 3
+    assert torch.equal(pool.static_inputs[0][3:8], torch.zeros(5, 3)) and pool._engine.inputs.dirty == 3
 
 
 @cpu_only
-def test_a_model_that_writes_its_inputs_gets_its_padding_refilled_every_call():
+def test_a_model_that_writes_its_inputs_is_stateful_and_never_padded():
     def model(x):
-        out = x * x.sum(dim=0, keepdim=True)  # zero padding rows leave the sum alone; written ones do not
-        x.add_(1)  # writes its own input in place (the padding rows too)
+        out = x * 2
+        x.add_(1)  # writes its own input in place
         return out
 
     pool = ShapeBucketPool(model, [8], simulate_padding=True)
-    for _ in range(4):
-        x = torch.randn(5, 3)
+    for n in (5, 3, 5):
+        x = torch.randn(n, 3)
         want = model(x.clone())
         torch.testing.assert_close(pool(x), want)
-    assert pool._inputs.mutated and not pool.row_coupled
+    assert pool.unpadded[()].reason == "stateful" and "one of the call's inputs" in pool.unpadded[()].detail
 
 
 @cpu_only
-def test_batch_sum_model_sees_only_pad_value_rows():
+def test_a_batch_sum_model_is_never_padded_even_when_zero_padding_would_leave_it_alone():
     pool = ShapeBucketPool(lambda x: x - x.sum(dim=0, keepdim=True), [8], simulate_padding=True)
     pool(torch.randn(8, 3))
     for n in (5, 2, 7):
         x = torch.randn(n, 3)
         torch.testing.assert_close(pool(x), x - x.sum(0, keepdim=True))
-    assert not pool.row_coupled
+    assert pool.row_coupled and pool.bucket_for(5) == 5
 
 
 @cpu_only
@@ -91,7 +92,7 @@ def test_static_io_reads_the_views_and_returns_output_views():
         pool.static_io(3)
     pool(torch.zeros(8, 3), torch.zeros(8, 3))
     io = pool.static_io(5)
-    assert io.bucket == 8 and repr(io) == "StaticIO(batch_size=5, bucket=8)"
+    assert repr(io) == "StaticIO(batch_size=5)" and pool.bucket_for(5) == 8
     x, y = io.args
     assert x.shape == (5, 3) and x.data_ptr() == pool.static_inputs[0].data_ptr()
     a, b = torch.randn(5, 3), torch.randn(5, 3)
