@@ -39,12 +39,12 @@ from typing import Any
 import torch
 
 from ..errors import GraphCaptureError, GraphRuntimeError
-from ..graph.capture import capture_on_stream
+from ..graph.capture import capture_on_stream, warm_up
 from ..log import logger
 from ..runtime import CAPTURE_MODE_THREAD_LOCAL, COND_IF, COND_SWITCH, COND_WHILE, Runtime, get_runtime
 from .kernels import DECODE_STEP_MAX_BATCH, launch, setter_kernels
 
-__all__ = ["BodyPool", "NativeConditional", "side_stream"]
+__all__ = ["BodyPool", "NativeConditional", "side_stream", "on_stream"]
 
 
 def side_stream(device: int, *, avoid: Sequence[torch.cuda.Stream] = ()) -> torch.cuda.Stream:
@@ -60,6 +60,16 @@ def side_stream(device: int, *, avoid: Sequence[torch.cuda.Stream] = ()) -> torc
         if s.cuda_stream not in taken:
             return s
     raise RuntimeError(f"could not get a CUDA stream on device {device} distinct from {sorted(taken)}")
+
+
+def on_stream(fn: Callable[[], Any], stream: torch.cuda.Stream) -> Callable[[], Any]:
+    """A warm-up run of ``fn`` moved to ``stream``.
+
+    A capturer warms up on its own stream; bodies are captured on a body
+    stream, and cuBLAS and friends keep per-stream state, so a body's ops are
+    warmed up there too: pass these runs as the capture's warm-ups.
+    """
+    return functools.partial(warm_up, fn, stream, 1)
 
 
 class BodyPool:
