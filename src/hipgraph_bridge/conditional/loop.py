@@ -37,6 +37,10 @@ Strategies (:attr:`DeviceWhileLoop.strategy`), chosen by one cached probe
   the host replays it and reads the condition (one sync per iteration).
 * ``"eager"``: no GPU graphs (CPU-only PyTorch) or a failed capture.
 
+Captures go through one :class:`~hipgraph_bridge.graph.capturer.Capturer`
+(its side stream, pool, warm-up runs and failure path); the warm-ups run the
+body on the real state, which is put back afterwards.
+
 What it will not do: nest loops on the native path, run random-number ops in
 the body (see :mod:`.native_nodes`), or loop without a cap.
 """
@@ -53,12 +57,11 @@ import torch
 from .. import stats
 from ..checks import check_int
 from ..fallbacks import Fallback, Reason
-from ..graph.bridged import SafeCUDAGraph
-from ..graph.capture import frozen_gc, warm_up
+from ..graph.capturer import Captured, Capturer
 from ..log import logger
 from ..tree import describe
 from .kernels import COMPARE_OPS, dtype_kind
-from .native_nodes import BodyPool, NativeConditional, side_stream
+from .native_nodes import BodyPool, NativeConditional, on_stream, side_stream
 from .support import choose_strategy
 
 __all__ = ["DeviceWhileLoop", "LoopCondition", "LoopStrategy", "LOOP_STRATEGIES", "resolve_loop_strategy"]
@@ -162,11 +165,12 @@ class DeviceWhileLoop:
         self._counter = torch.zeros((), dtype=torch.int32, device=self._device)
         self._strategy = "pending"
         self._strategy_reason = ""
+        self._capturer = Capturer(warmup_iters=warmup_iters)
         self._graph: Any = None
-        self._pool: Any = None
+        self._pool: BodyPool | None = None  # the native bodies' allocations (kept as long as the graph)
+        self._body_stream: torch.cuda.Stream | None = None  # native bodies; distinct from the capturer's
         self._flag: torch.Tensor | None = None
-        self._fallback: Fallback | None = None
-        self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None  # (outer, body)
+        self._fallback: Fallback | None = None  # why it runs eagerly
         self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ state
@@ -202,48 +206,51 @@ class DeviceWhileLoop:
                 return
             if self._device.type != "cuda":
                 raise ValueError(f"state: expected CUDA tensors for a captured loop, got {self._device}")
-            try:
-                with torch.cuda.device(self._device), frozen_gc():
-                    self._warm_up()
-                    if strategy == "native":
-                        self._capture_native()
-                    else:
-                        self._capture_host()
-            except Exception as exc:
-                self._graph = None
-                self._strategy = "eager"
-                self._strategy_reason = f"{strategy} capture failed: {type(exc).__name__}: {exc}"
-                self._fallback = Fallback(Reason.CAPTURE_FAILED, self._strategy_reason)
-                logger.warning("gfxgraph: DeviceWhileLoop runs eagerly from now on: %s", self._strategy_reason)
+            with torch.cuda.device(self._device):
+                self._capture_as(strategy)
             logger.debug("gfxgraph: DeviceWhileLoop strategy %s (%s)", self._strategy, self._strategy_reason)
 
-    def _warm_up(self) -> None:
-        if not self.warmup_iters:
-            return
-        saved = tuple(t.clone() for t in self._state)
-        outer, body = self._streams_for_capture()
-        streams = [outer] if self._strategy == "host" else [outer, body]
+    def _capture_as(self, strategy: str) -> None:
+        """Warm up and capture the loop for ``strategy`` (``native`` or ``host``); a failure makes it eager."""
+        with torch.no_grad():
+            saved = tuple(t.clone() for t in self._state)
         try:
-            for s in streams:  # per-stream state (cuBLAS workspaces) is set up outside the capture
-                with torch.no_grad():
-                    warm_up(lambda: (self._cond_tensor(), self._apply_body()), s, self.warmup_iters)
-        finally:  # the warm-up ran the body on the real state: put the caller's values back
-            for s in streams:  # stream syncs: a device-wide one would break other threads' captures
-                s.synchronize()
+            try:
+                captured = self._capture_native() if strategy == "native" else self._capture_host()
+            except Exception as exc:  # setting the native loop up failed before any capture
+                detail = f"DeviceWhileLoop: {type(exc).__name__}: {exc}"
+                captured = Captured(fallback=Fallback(Reason.CAPTURE_FAILED, detail), stage="setup", error=exc)
+        finally:  # the warm-ups ran the body on the real state: put the caller's values back
             with torch.no_grad():
                 for t, v in zip(self._state, saved):
                     t.copy_(v)
+        if captured.graph is not None:
+            self._graph = captured.graph
+            return
+        self._strategy = "eager"
+        self._strategy_reason = f"{strategy} {_failure(captured)}"
+        self._fallback = captured.fallback
+        if captured.stage in ("warm_up", "setup"):  # the capturer logs the other failures itself
+            logger.warning("gfxgraph: DeviceWhileLoop runs eagerly from now on: %s", self._strategy_reason)
 
-    def _streams_for_capture(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-        streams = self._streams
-        if streams is None:
-            outer = torch.cuda.Stream(device=self._device)
-            streams = (outer, side_stream(self._device.index, avoid=[outer]))
-            self._streams = streams
-        return streams
+    def _warm_runs(self, body_stream: torch.cuda.Stream | None = None) -> list[Callable[[], Any]]:
+        """The capture's warm-ups: the step on the capture stream (and on ``body_stream``, where
+        native bodies are captured: per-stream state such as cuBLAS workspaces is set up outside it)."""
+        def step() -> None:
+            self._cond_tensor()
+            self._apply_body()
 
-    def _capture_native(self) -> None:
-        outer, body_stream = self._streams_for_capture()
+        runs: list[Callable[[], Any]] = [step] * self.warmup_iters
+        if body_stream is not None:
+            runs += [on_stream(step, body_stream)] * self.warmup_iters
+        return runs
+
+    def _capture_native(self) -> Captured:
+        if self._body_stream is None:
+            self._body_stream = side_stream(self._device.index, avoid=[self._capturer.stream])
+        body_stream = self._body_stream
+        # Kept local: the bodies' allocations go to a pool of their own (a body is its own capture
+        # sequence, outside the capturer's pool); it lives as long as the graph.
         pool = BodyPool(self._device.index)
         native = NativeConditional(device=self._device.index, body_stream=body_stream, pool=pool)
         cond = self.cond
@@ -264,21 +271,22 @@ class DeviceWhileLoop:
             native.launch_loop_step(handle, value, kind=dtype_kind(value.dtype), op=op, rhs_i=rhs_i,
                                     rhs_f=rhs_f, counter=self._counter, max_iters=self.max_iters, first=first)
 
-        g = SafeCUDAGraph()
-        outer.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad(), g.capturing(stream=outer):  # thread-local: other threads' work carries on
-            native.while_loop(step, self._apply_body)
-        self._graph, self._pool = g, pool
+        captured = self._capturer.capture(lambda: native.while_loop(step, self._apply_body), "DeviceWhileLoop",
+                                          warm=self._warm_runs(body_stream))
+        if captured.graph is None:
+            pool.close()
+        else:
+            self._pool = pool
+        return captured
 
-    def _capture_host(self) -> None:
-        outer, _ = self._streams_for_capture()
+    def _capture_host(self) -> Captured:
         flag = self._flag = torch.zeros((), dtype=torch.bool, device=self._device)
-        g = SafeCUDAGraph()
-        outer.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad(), g.capturing(stream=outer):
+
+        def step() -> None:
             self._apply_body()
             flag.copy_(self._cond_tensor().reshape(()) != 0)
-        self._graph = g
+
+        return self._capturer.capture(step, "DeviceWhileLoop", warm=self._warm_runs())
 
     # ------------------------------------------------------------- the body
     def _cond_tensor(self) -> torch.Tensor:
@@ -358,13 +366,18 @@ class DeviceWhileLoop:
         """Release the graph (idempotent); the loop re-captures on its next run."""
         with self._lock:
             if self._graph is not None:
-                try:
+                try:  # stream syncs: a device-wide one would break other threads' captures
                     torch.cuda.current_stream(self._device).synchronize()
-                    for s in self._streams or ():
-                        s.synchronize()
+                    self._capturer.stream.synchronize()
+                    if self._body_stream is not None:
+                        self._body_stream.synchronize()
                     self._graph.reset()
                 except Exception as exc:
                     logger.debug("gfxgraph: releasing a loop graph failed: %s", exc)
+                # Every graph of the capturer's pool is now released, and PyTorch's allocator takes no
+                # further capture into such a pool: the next capture gets a fresh capturer (and pool).
+                self._capturer = Capturer(warmup_iters=self.warmup_iters)
+                self._body_stream = None
             self._graph = None
             if self._pool is not None:
                 self._pool.close()
@@ -395,6 +408,15 @@ def _check_condition(cond: LoopCondition, state: tuple[torch.Tensor, ...]) -> No
     if kind < 5 and cond.op != "nonzero" and not float(cond.value).is_integer():
         raise TypeError(f"LoopCondition.value: state[{cond.index}] is {t.dtype}; expected an integer value, "
                         f"got {cond.value!r}")
+
+
+def _failure(captured: Captured) -> str:
+    """What went wrong in a failed capture, for :attr:`DeviceWhileLoop.strategy_reason`."""
+    err = captured.error
+    if err is None:  # refused (the VRAM cap)
+        return f"capture refused: {captured.fallback}"
+    stage = "warm-up" if captured.stage == "warm_up" else "capture"
+    return f"{stage} failed: {type(err).__name__}: {err}"
 
 
 def _rhs(value: int | float) -> tuple[int, float]:
