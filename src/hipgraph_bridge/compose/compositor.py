@@ -318,6 +318,11 @@ class GraphCompositor:
                              f"expected names among {sorted(self._children)}")
         shared = self._shared_pool(deps)
         pool, members = shared if shared is not None else (torch.cuda.graph_pool_handle(), None)
+        # Captured with the one capture primitive, not through graph.capturer.Capturer: a stage is the
+        # caller's ``with`` body (the Capturer captures a callable), a child must keep its graph to be
+        # composed (keep_graph=True; the Capturer's graphs drop theirs), the caller warms up as for
+        # torch.cuda.graph (no warm-up here), and a compositor holds several pools chosen by the DAG
+        # (a Capturer holds one). A stage that fails is not added, and a fresh pool is not kept.
         g = SafeCUDAGraph(keep_graph=True)
         cap = StageCapture(name, g)
         with g.capturing(pool=pool, stream=side_stream(stream), capture_error_mode=capture_error_mode):
@@ -454,7 +459,7 @@ class GraphCompositor:
         require_gpu("GraphCompositor.restage")
         self._require(CompositorState.READY, "restage")
         name = self._known(name)
-        g = SafeCUDAGraph(keep_graph=True)
+        g = SafeCUDAGraph(keep_graph=True)  # the caller's body, kept graph: as in stage(), not a Capturer
         cap = StageCapture(name, g)
         with g.capturing(stream=side_stream(stream), capture_error_mode=capture_error_mode):
             yield cap

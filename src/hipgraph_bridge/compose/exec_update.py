@@ -205,6 +205,8 @@ class UpdatableGraph:
         The result is in the yielded handle's ``result`` after the block.
         """
         require_gpu("UpdatableGraph.recapture")
+        # The caller's ``with`` body into a kept graph (the update reads its nodes), warmed up by the
+        # caller: the one capture primitive directly, not graph.capturer.Capturer (see compositor.stage).
         g = SafeCUDAGraph(keep_graph=True)
         handle = Recapture(g)
         with g.capturing(pool=pool, stream=side_stream(stream), capture_error_mode=capture_error_mode):
