@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import shutil
+import typing
 from pathlib import Path
 
 import pytest
@@ -20,11 +21,15 @@ import gfxgraph
 import hipgraph_bridge
 from conftest import GPU_SKIP_REASON
 from gfxgraph import BridgedCUDAGraph
-from hipgraph_bridge.conditional import native_nodes, support as cond_nodes
+from hipgraph_bridge.conditional import graph as cond_graph, native_nodes, strategies, support as cond_nodes
+from hipgraph_bridge.conditional.branches import BranchSet
 from hipgraph_bridge.conditional.graph import ConditionalGraph, ConditionalState, resolve_strategy
 from hipgraph_bridge.conditional.loop import DeviceWhileLoop, LoopCondition, resolve_loop_strategy
 from hipgraph_bridge.errors import GraphRuntimeError
 from hipgraph_bridge.conditional.ops import conditional_select
+from hipgraph_bridge.fallbacks import Fallback, Reason
+from hipgraph_bridge.graph.capturer import Captured, Capturer
+from hipgraph_bridge.tree import copy_into
 from hipgraph_bridge.platform import Platform
 from hipgraph_bridge.runtime import COND_SWITCH, HIP_NO_CONDITIONAL, CaptureInfo, RuntimeCaps
 
@@ -166,6 +171,18 @@ class TestEagerRuns:
         with pytest.raises(ZeroDivisionError, match="boom"):
             cg.run("b1")
         torch.testing.assert_close(cg.run("b0"), torch.full((2,), 2.0))
+
+    def test_the_eager_strategy_is_a_registered_class(self):
+        cg = make_graph(double, shift)
+        cg.capture(torch.ones(2))
+        assert isinstance(cg._selection, strategies.EagerStrategy) and cg.strategy == cg._selection.name == "eager"
+        assert cg._device_graphs == {}
+
+    def test_forced_one_graph_strategy_needs_one_layout_even_without_a_gpu(self):
+        cg = make_graph(double, lambda x: x.sum(), strategy="supergraph")
+        with pytest.raises(ValueError, match="strategy='supergraph': device-selected graphs write every branch"):
+            cg.capture(torch.ones(3))
+        assert cg.state is ConditionalState.CLOSED
 
     def test_out_of_range_with_differing_layouts_is_an_index_error(self):
         cg = make_graph(double, lambda x: x.sum())
@@ -439,6 +456,219 @@ class TestSupportProbe:
     def test_cpu_only_reason(self):
         s = cond_nodes.conditional_support()
         assert not s.while_loop and "CPU-only" in s.reason
+
+
+# ------------------------------------------------ strategies as registered classes
+class TestStrategyRegistry:
+    @pytest.fixture
+    def registry(self, monkeypatch):
+        """A copy of the registry for the test: classes it registers vanish afterwards."""
+        monkeypatch.setattr(strategies, "_REGISTRY", dict(strategies._REGISTRY))
+
+    def test_registered_names_are_the_documented_ones(self):
+        assert strategies.strategy_names() == ("native", "supergraph", "dispatch")
+        assert strategies.strategy_names(requestable=False) == ("native", "supergraph", "dispatch", "eager")
+        assert cond_graph.STRATEGIES == ("auto", "native", "supergraph", "dispatch")
+        assert typing.get_args(cond_graph.Strategy) == cond_graph.STRATEGIES
+        for name in strategies.strategy_names(requestable=False):
+            cls = strategies.strategy_class(name)
+            assert issubclass(cls, strategies.BranchStrategy) and cls.name == name and cls.summary
+            assert f'``"{name}"``' in strategies.__doc__ and f'``"{name}"``' in cond_graph.__doc__
+        assert [n for n in strategies.strategy_names() if strategies.strategy_class(n).shares_outputs] == \
+            ["native", "supergraph"]
+        assert strategies.strategy_class("native").fallback == strategies.strategy_class("supergraph").fallback \
+            == "dispatch"
+        with pytest.raises(ValueError, match="expected one of native, supergraph, dispatch, eager, got 'fast'"):
+            strategies.strategy_class("fast")
+
+    def test_eager_is_chosen_never_requested(self):
+        with pytest.raises(ValueError, match="strategy: expected one of auto, native, supergraph, dispatch, "
+                                             "got 'eager'"):
+            ConditionalGraph(strategy="eager")
+
+    def test_a_registered_class_is_taken_by_name(self, registry, monkeypatch):
+        with pytest.raises(ValueError, match="got 'probe'"):
+            ConditionalGraph(strategy="probe")
+
+        @strategies.register_strategy
+        class Probe(strategies.BranchStrategy):
+            name = "probe"
+            summary = "a strategy of the tests"
+
+        assert strategies.strategy_names() == ("native", "supergraph", "dispatch", "probe")
+        assert strategies.strategy_class("probe") is Probe
+        assert ConditionalGraph(strategy="probe").requested_strategy == "probe"
+        monkeypatch.setattr(cond_nodes, "probe", _fake_cuda_platform)
+        assert resolve_strategy("probe") == ("probe", "strategy='probe' was requested")
+
+    def test_registration_errors(self, registry):
+        class Nameless(strategies.BranchStrategy):
+            pass
+
+        class Auto(strategies.BranchStrategy):
+            name = "auto"
+
+        class Other(strategies.BranchStrategy):
+            name = "dispatch"
+
+        with pytest.raises(TypeError, match="expected a BranchStrategy subclass"):
+            strategies.register_strategy(object)
+        with pytest.raises(ValueError, match="Nameless.name: expected a non-empty str other than 'auto', got ''"):
+            strategies.register_strategy(Nameless)
+        with pytest.raises(ValueError, match="got 'auto'"):
+            strategies.register_strategy(Auto)
+        with pytest.raises(ValueError, match="'dispatch' is taken by DispatchStrategy"):
+            strategies.register_strategy(Other)
+        assert strategies.register_strategy(strategies.DispatchStrategy) is strategies.DispatchStrategy
+
+
+# ------------------------------------------------- captures through the Capturer
+class SimGraph:
+    """A captured graph's stand-in: a replay runs the work again into the captured outputs."""
+
+    def __init__(self, run, outputs):
+        self.run, self.outputs, self.resets = run, outputs, 0
+
+    def replay(self):
+        new = self.run()
+        if self.outputs is not None:
+            copy_into(self.outputs, new)
+
+    def reset(self):
+        self.resets += 1
+
+
+class SimCapturer(Capturer):
+    """A Capturer that runs on the CPU: warm-ups and the "capture" run eagerly; the graph replays them.
+    Its failures are the real one's: a warm-up that raises, or a capture named in ``fail``."""
+
+    def __init__(self, *, fail=(), warmup_iters=1):
+        super().__init__(warmup_iters=warmup_iters)
+        self.calls: list[tuple[str, int]] = []
+        self.fail = set(fail)
+
+    def capture(self, run, what, *, warm=None, keep_warm=False, freeze_gc=True, cap_checked=False):
+        runs = [run] * self.warmup_iters if warm is None else list(warm)
+        self.calls.append((what, len(runs)))
+        result = Captured(stage="warm_up")
+        try:
+            out = None
+            for fn in runs:
+                out = fn()
+            result.warm = out if keep_warm else None
+            result.stage = "capture"
+            if what in self.fail:
+                raise RuntimeError("capture refused by the test")
+            result.outputs = run()
+        except Exception as exc:
+            reason = Reason.CAPTURE_FAILED if result.stage == "capture" else Reason.WARMUP_FAILED
+            result.fallback, result.error = Fallback(reason, f"{what}: {type(exc).__name__}: {exc}"), exc
+            return result
+        result.graph = SimGraph(run, result.outputs)
+        return result
+
+
+class TestSharedCapturer:
+    def test_graph_and_loop_hold_a_capturer_with_their_options(self):
+        cg = ConditionalGraph(warmup_iters=3, pool=(0, 7), capture_error_mode="global")
+        cap = cg._capturer
+        assert type(cap) is Capturer and cg._branches.capturer is cap
+        assert cap.warmup_iters == 3 and cap.pool_handle == (0, 7) and cap.capture_error_mode == "global"
+        loop = DeviceWhileLoop(LoopCondition(0, "<", 2), counting_body,
+                               (torch.zeros((), dtype=torch.int64), torch.ones(2)), warmup_iters=2)
+        assert type(loop._capturer) is Capturer and loop._capturer.warmup_iters == 2
+
+    def test_branches_capture_through_the_capturer_and_keep_a_fallback(self):
+        cap = SimCapturer(fail={"branch 'b1'"}, warmup_iters=2)
+        bs = BranchSet(cap)
+        fns = (double, shift, square)
+        for i, fn in enumerate(fns):
+            bs.add(f"b{i}", fn)
+        bs.capture(torch.randn(4), device=0)
+        assert cap.calls == [("branch 'b0'", 2), ("branch 'b1'", 2), ("branch 'b2'", 2)]
+        failed = bs.items[1]
+        assert failed.graph is None and isinstance(failed.fallback, Fallback)
+        assert failed.fallback.reason is Reason.CAPTURE_FAILED and "capture refused" in failed.fallback.detail
+        assert bs.uniform is not None  # the failed branch's layout came from its warm-up
+        y = torch.randn(4)
+        for i, fn in enumerate(fns):
+            torch.testing.assert_close(bs.run_index(i, y), fn(y))
+        assert gfxgraph.stats()["fallback_reasons"] == {"capture_failed": 1}
+        bs.close()
+        assert bs.items[0].graph is None and bs.static_input is None
+
+    def test_a_branch_whose_warm_up_raises_runs_eagerly(self, caplog):
+        def broken(x):
+            raise ZeroDivisionError("boom")
+
+        bs = BranchSet(SimCapturer())
+        bs.add("ok", double)
+        bs.add("broken", broken)
+        with caplog.at_level(logging.WARNING, logger="gfxgraph"):
+            bs.capture(torch.ones(2), device=0)
+        assert "branch 'broken' runs eagerly: warm-up raised boom" in caplog.text
+        assert bs.items[1].fallback.reason is Reason.WARMUP_FAILED and bs.uniform is None
+
+    @pytest.mark.parametrize("name", ["dispatch", "probe"])
+    def test_strategies_select_and_run_by_index_over_the_branches(self, name, monkeypatch):
+        monkeypatch.setattr(strategies, "_REGISTRY", dict(strategies._REGISTRY))
+
+        @strategies.register_strategy
+        class Probe(strategies.BranchStrategy):  # the base class's behaviour: per-branch dispatch
+            name = "probe"
+            summary = "a strategy of the tests"
+
+        bs = BranchSet(SimCapturer())
+        fns = (double, shift, square)
+        for i, fn in enumerate(fns):
+            bs.add(f"b{i}", fn)
+        bs.capture(torch.randn(3), device=0)
+        chosen = strategies.strategy_class(name)(bs)
+        assert chosen.describe().startswith(f"{name}: ") and chosen.graphs == {}
+        chosen.build("index")  # nothing to capture: one host read, then the branch's graph
+        y = torch.randn(3)
+        for i, fn in enumerate(fns):
+            torch.testing.assert_close(chosen.select("index", torch.tensor(i), y), fn(y))
+            torch.testing.assert_close(chosen.run_index(i, y), fn(y))
+        assert torch.equal(chosen.select("index", torch.tensor(5), y), torch.zeros(3))
+
+    def test_host_loop_captures_through_its_capturer(self):
+        i0, x0 = torch.zeros((), dtype=torch.int64), torch.randn(4)
+        loop = DeviceWhileLoop(LoopCondition(0, "<", 7), counting_body, (i0, x0), warmup_iters=2)
+        cap = loop._capturer = SimCapturer(warmup_iters=2)
+        loop._strategy = "host"  # what capture() sets, after the GPU checks this machine cannot pass
+        loop._capture_as("host")
+        assert cap.calls == [("DeviceWhileLoop", 2)]
+        assert torch.equal(loop.state[0], i0) and torch.equal(loop.state[1], x0)  # the warm-ups were undone
+        i, x = loop.run()
+        ref_i, ref_x = i0.clone(), x0.clone()
+        while ref_i < 7:
+            counting_body(ref_i, ref_x)
+        assert int(i) == 7 and int(loop.iterations) == 7 and loop.strategy == "host"
+        torch.testing.assert_close(x, ref_x)
+        assert gfxgraph.stats()["fallback_reasons"] == {}
+        loop.close()  # every graph of the pool is gone: the next capture gets a fresh capturer
+        assert loop.strategy == "pending" and type(loop._capturer) is Capturer and loop._capturer is not cap
+
+    @pytest.mark.parametrize("stage", ["capture", "warm-up"])
+    def test_loop_whose_capture_fails_holds_the_fallback_and_runs_eagerly(self, stage):
+        calls = []
+
+        def body(i, x):
+            calls.append(1)
+            if stage == "warm-up" and len(calls) == 1:
+                raise ZeroDivisionError("first run")
+            counting_body(i, x)
+
+        loop = DeviceWhileLoop(LoopCondition(0, "<", 3), body, (torch.zeros((), dtype=torch.int64), torch.ones(2)))
+        loop._capturer = SimCapturer(fail={"DeviceWhileLoop"})
+        loop._strategy = "host"
+        loop._capture_as("host")
+        reason = Reason.CAPTURE_FAILED if stage == "capture" else Reason.WARMUP_FAILED
+        assert loop.strategy == "eager" and loop.strategy_reason.startswith(f"host {stage} failed: ")
+        assert isinstance(loop._fallback, Fallback) and loop._fallback.reason is reason
+        i, _ = loop.run()
+        assert int(i) == 3 and gfxgraph.stats()["fallback_reasons"] == {reason.value: 1}
 
 
 # ---------------------------------------------------------------- NVRTC source
