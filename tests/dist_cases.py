@@ -53,7 +53,8 @@ def weight(seed: int, *shape: int, scaled: bool = False) -> torch.Tensor:
 
 class CaptureStage:
     """Says True once, at the capture of a bucket of ``rows``: inside the stream capture on a GPU; on
-    CPU at the first run with that many rows (the simulated capture, see hipgraph_bridge.bucketing.agreed)."""
+    CPU at the first run with that many rows (the bucket's simulated capture, see hipgraph_bridge.ranks.decider:
+    the scenarios make a call of another size first, whose own run decides padding)."""
 
     def __init__(self, rows: int, rank: int) -> None:
         self.rows, self.rank, self.armed = rows, rank, True
@@ -94,7 +95,7 @@ def expected_sum(model: SumModel, inputs: list[torch.Tensor]) -> torch.Tensor:
 
 
 def bucket_keys(pool: ShapeBucketPool) -> list[int]:
-    return sorted(b for b, _ in pool._entries)  # noqa: SLF001 - the facts the tests compare across ranks
+    return sorted(b for b, _ in pool._engine.entries)  # noqa: SLF001 - the facts the tests compare across ranks
 
 
 @case
@@ -131,7 +132,9 @@ def strict_mismatch() -> dict[str, Any]:
 
 @case
 def fault_fallback() -> dict[str, Any]:
-    """The last rank's model raises in bucket 8's capture (after its all_reduce): every rank runs 8 eagerly."""
+    """The last rank's model raises in bucket 8's capture (after its all_reduce): every rank runs 8 eagerly.
+
+    The first call (2 rows) runs on its own rows and decides padding, so the first 8-row run is bucket 8's capture."""
     model = SumModel()
     at_capture = CaptureStage(8, WORLD - 1)
 
@@ -142,7 +145,7 @@ def fault_fallback() -> dict[str, Any]:
     model.fault = fault
     pool = ShapeBucketPool(model, [2, 4, 8], simulate_padding=True, progress=False, process_group=agreement())
     errs = []
-    for call, n in enumerate([1, 8, 3, 8, 6, 2, 8]):
+    for call, n in enumerate([2, 8, 3, 8, 6, 2, 8]):
         inputs = [data(r, call, n) for r in range(WORLD)]
         out = pool(inputs[RANK])
         errs.append((out - expected_sum(model, inputs)).abs().max().item())
@@ -152,7 +155,7 @@ def fault_fallback() -> dict[str, Any]:
 
 @case
 def padding_disagrees() -> dict[str, Any]:
-    """Rows interact on rank 1 only: its padding check fails, and every rank stops padding that key."""
+    """Rows interact on rank 1 only: its row analysis refuses padding, and every rank stops padding that key."""
 
     def model(x: torch.Tensor) -> torch.Tensor:
         return x * 2 + (x.mean(0, keepdim=True) if RANK == 1 else 0)
@@ -175,6 +178,7 @@ def raised_in_capture() -> dict[str, Any]:
 
     model.fault = fault
     pool = ShapeBucketPool(model, [2, 4], simulate_padding=True, progress=False, process_group=agreement())
+    pool(data(RANK, 2, 2))  # its own run decides padding: the next 4-row run is bucket 4's capture
     t0 = time.perf_counter()
     try:
         pool(data(RANK, 0, 4))

@@ -402,7 +402,6 @@ def test_state_writes_are_not_padded():
     (lambda x: x * x.shape[0], "batch_value"),  # the batch size as a value: padding would change it
     (lambda x: x[x.shape[0] - 1] + x, "batch_value"),  # the last row moves with padding
     (lambda x: torch.cat([x, x]), "output_shape"),  # (2B, C): the padding cannot be sliced off
-    (lambda x: x - x.mean(0), "padding_changes_results"),  # rows depend on each other: caught at run time
 ])
 def test_graphs_that_padding_would_break_run_ungraphed(fn, reason):
     c = torch.compile(fn, backend="gfxgraph", options=FAST)
@@ -410,6 +409,22 @@ def test_graphs_that_padding_would_break_run_ungraphed(fn, reason):
         x = torch.randn(n, 4)
         torch.testing.assert_close(c(x), fn(x))
     assert ("ungraphed", reason) in _states()
+
+
+@pytest.mark.parametrize("fn,why", [
+    (lambda x: x - x.mean(0), "aten.mean reduces over the batch dimension"),
+    (lambda x: x.softmax(0) * 2, "aten._softmax works along the batch dimension"),
+    (lambda x: x - x.max(0).values, "aten.max reduces over the batch dimension"),
+])
+def test_a_graph_whose_rows_interact_is_graphed_at_exact_sizes(fn, why):
+    c = torch.compile(fn, backend="gfxgraph", options=FAST)
+    for n in (3, 5, 6, 7, 5):
+        x = torch.randn(n, 4)
+        torch.testing.assert_close(c(x), fn(x))
+    dyn = next(s for s in compiled_subgraphs() if s.plan.batch_symbol is not None)
+    assert dyn.state is SubgraphState.GRAPHED and dyn.verdict.reason == "rows_coupled" and dyn.verdict.detail == why
+    (variant,) = dyn._variants.values()
+    assert variant.pool.unpadded[()].reason == "rows_coupled" and variant.pool.bucket_for(5) == 5
 
 
 def test_sizes_used_as_sizes_stay_graphed():
@@ -501,8 +516,9 @@ def test_pool_of_a_state_writing_subgraph_never_reruns_it_to_validate():
         torch.testing.assert_close(quiet(x), x + 1)
         assert calls == [1]  # never re-run to validate
         checked = ShapeBucketPool(fn, [4], batched_outputs=(True,), simulate_padding=True)
+        torch.testing.assert_close(checked(x), x + 1)  # the first call is its own (eager) run: nothing to check
         torch.testing.assert_close(checked(x), x + 1)
-        assert calls == [1, 1, 1]  # the default pool compares with a run of its own
+        assert calls == [1, 1, 1, 1]  # the default pool compares the second with a run of its own
         assert gfxgraph.stats()["validation_checks"] == 1
     finally:
         gfxgraph.disable()

@@ -19,10 +19,12 @@ import torch.distributed as dist
 
 from dist_launch import facts, launch
 from hipgraph_bridge import RankAgreement, ShapeBucketPool
-from hipgraph_bridge.bucketing.agreed import combine_capture, pad_rows, slice_rows
-from hipgraph_bridge.bucketing.capture import Captured
-from hipgraph_bridge.bucketing.layout import classify
-from hipgraph_bridge.bucketing.ranks import Status, Vote, as_agreement
+from hipgraph_bridge.bucketing.pool import _pad_rows as pad_rows
+from hipgraph_bridge.fallbacks import Fallback, Reason
+from hipgraph_bridge.graph.capturer import Captured
+from hipgraph_bridge.padding.layout import classify
+from hipgraph_bridge.ranks.agreement import Status, Vote, as_agreement, key_code
+from hipgraph_bridge.ranks.decider import combine_capture
 from hipgraph_bridge.compile import BackendOptions
 from hipgraph_bridge.errors import ConfigError
 
@@ -60,7 +62,7 @@ def test_strict_batch_sizes_raise_naming_each_rank_and_the_pool_goes_on(two_rank
     for g in got:
         assert "rank 0: 3, rank 1: 5" in g["message"] and "batch='max'" in g["message"]
         assert g["err_after"] < 1e-5
-    assert got[0]["runs"] == got[1]["runs"] == 2  # the refused call never ran the model (nor its all_reduce)
+    assert got[0]["runs"] == got[1]["runs"] == 1  # the refused call never ran the model (nor its all_reduce)
 
 
 @pytest.mark.parametrize("ranks", ["two_ranks", "three_ranks"])
@@ -78,7 +80,8 @@ def test_a_capture_fault_on_one_rank_makes_every_rank_fall_back_for_that_bucket(
 def test_padding_that_changes_results_on_one_rank_stops_padding_on_all(two_ranks):
     got = facts(two_ranks, "padding_disagrees")
     for g in got:
-        assert len(g["row_coupled"]) == 1 and "rank 1:" in g["row_coupled"][0]
+        assert len(g["row_coupled"]) == 1 and "rank 1: rows_coupled: aten.mean reduces over the batch" \
+            in g["row_coupled"][0]
         assert g["max_err"] < 1e-5
 
 
@@ -202,37 +205,37 @@ class _Graph:
 def test_combining_outcomes_gives_every_rank_the_same_answer_path():
     ok = [_vote(0, Status.OK), _vote(1, Status.OK)]
     mine = Captured(graph=_Graph(), outputs=[1], warm=[1], stage="capture")  # type: ignore[arg-type]
-    assert combine_capture(mine, ok, 8, stateful=False) is False and mine.graph is not None
+    assert combine_capture(mine, ok, "bucket 8", stateful=False) is False and mine.graph is not None
 
     graph = _Graph()
     mine = Captured(graph=graph, outputs=[1], warm=[1], stage="capture")  # type: ignore[arg-type]
     peer_capture = [_vote(0, Status.OK), _vote(1, Status.CAPTURE_FAILED, "bucket 8: RuntimeError: x")]
-    assert combine_capture(mine, peer_capture, 8, stateful=False)
+    assert combine_capture(mine, peer_capture, "bucket 8", stateful=False)
     assert graph.released and mine.graph is None and mine.outputs is None and mine.warm == [1]
-    assert mine.stage == "capture" and mine.reason == "capture_failed"  # answered by its warm-up, as the peer's
-    assert mine.failed == "bucket 8: failed on rank 1: RuntimeError: x (every rank runs it eagerly)"
+    assert mine.stage == "capture" and mine.fallback.reason == "capture_failed"  # answered by its warm-up
+    assert mine.fallback.detail == "bucket 8: failed on rank 1: RuntimeError: x (every rank runs it eagerly)"
 
     peer_warm = [_vote(0, Status.OK), _vote(1, Status.WARMUP_FAILED, "bucket 8: ValueError: y")]
     mine = Captured(graph=_Graph(), outputs=[1], warm=[1], stage="capture")  # type: ignore[arg-type]
-    combine_capture(mine, peer_warm, 8, stateful=False)
+    combine_capture(mine, peer_warm, "bucket 8", stateful=False)
     assert mine.stage == "warm_up" and mine.error is None  # an eager run on the caller's arguments, as the peer
     mine = Captured(graph=_Graph(), outputs=[1], warm=[1], stage="capture")  # type: ignore[arg-type]
-    combine_capture(mine, peer_warm, 8, stateful=True)
+    combine_capture(mine, peer_warm, "bucket 8", stateful=True)
     assert mine.stage == "capture"  # a stateful model is never run twice
 
     vram = [_vote(0, Status.REFUSED, "bucket 8: over the cap"), _vote(1, Status.OK)]
     mine = Captured(graph=_Graph(), outputs=[1], stage="capture")  # type: ignore[arg-type]
-    combine_capture(mine, vram, 8, stateful=False)
-    assert mine.reason == "vram_cap" and "failed on rank 0: over the cap" in mine.failed
+    combine_capture(mine, vram, "bucket 8", stateful=False)
+    assert mine.fallback == Fallback(Reason.VRAM_CAP, mine.fallback.detail)
+    assert "failed on rank 0: over the cap" in mine.fallback.detail
 
 
-def test_growing_and_cutting_rows():
+def test_growing_rows():
     x, m = torch.arange(6.0).reshape(3, 2), torch.ones(3, 1)
     leaves, layout, _ = classify((x,), {"m": m}, batch_dim=0, static_args=())
     grown = pad_rows(layout, leaves, 5, batch_dim=0, pad_value=-1)
     assert grown[0].shape == (5, 2) and grown[0][3:].eq(-1).all() and torch.equal(grown[0][:3], x)
-    out = slice_rows((grown[0] * 2, torch.zeros(7)), [True, False], 3, batch_dim=0)
-    assert torch.equal(out[0], x * 2) and out[1].shape == (7,)
+    assert grown[1].shape == (5, 1) and torch.equal(grown[1][:3], m)
 
 
 def test_batch_max_refuses_a_stateful_model(one_rank):
@@ -241,8 +244,6 @@ def test_batch_max_refuses_a_stateful_model(one_rank):
 
 
 def test_constant_keys_are_coded_by_value_alone():
-    from hipgraph_bridge.bucketing.ranks import key_code
-
     assert key_code((3, "mode", None, torch.float16, (1.5, True))) == key_code((3, "mode", None, torch.float16,
                                                                                 (1.5, True)))
     assert key_code((3,)) != key_code((4,))

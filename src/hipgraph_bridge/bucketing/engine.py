@@ -150,12 +150,16 @@ class BucketEngine:
         if entry is None:
             return self._first_call(ks, inputs, leaves, batch, bucket, key, args, kwargs, copy)
         if entry.graph is None:
-            return self._simulated(entry, ks, inputs, leaves, batch, copy)
+            return self._validated(self._simulated(entry, ks, inputs, leaves, batch, copy), ks, args, kwargs)
         entry.graph.replay()
         if batch < bucket and not entry.confirmed and not self._confirm(entry, ks, inputs, batch, None):
             return self.eager(args, kwargs)  # the padded result is not trusted: this call runs on its own rows
         assert entry.layout is not None and entry.outputs is not None
-        out = entry.layout.result(entry.outputs, batch, copy=copy, cache=True)
+        return self._validated(entry.layout.result(entry.outputs, batch, copy=copy, cache=True), ks, args, kwargs)
+
+    def _validated(self, out: Any, ks: KeyState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Validation mode: a graph's (or a simulated padded run's) result compared with the model on the
+        caller's own arguments; the eager one is returned on a mismatch. A stateful model is never re-run."""
         if config.switches.validate and not ks.stateful:
             return checked_against_eager(out, self.eager(args, kwargs), owner=self, what=self.what)
         return out
@@ -277,7 +281,7 @@ class BucketEngine:
         entry.graph.replay()
         if batch < bucket and not self._confirm(entry, ks, inputs, batch, None):
             return self.eager(args, kwargs)
-        return entry.layout.result(entry.outputs, batch, copy=copy, cache=True)
+        return self._validated(entry.layout.result(entry.outputs, batch, copy=copy, cache=True), ks, args, kwargs)
 
     def _own_run(self, ks: KeyState, inputs: StaticInputs, leaves: list[Any], batch: int,
                  key: tuple[Hashable, ...], trace: bool) -> Any:
@@ -427,7 +431,8 @@ class BucketEngine:
             stats.record_fallback(captured.fallback)
             return self.eager(args, kwargs)
         assert entry.layout is not None
-        return entry.layout.result(pytree.tree_leaves(captured.warm), batch, copy=copy, cache=False)
+        return self._validated(entry.layout.result(pytree.tree_leaves(captured.warm), batch, copy=copy, cache=False),
+                               ks, args, kwargs)
 
     def _simulated(self, entry: Entry, ks: KeyState, inputs: StaticInputs, leaves: list[Any], batch: int,
                    copy: bool) -> Any:

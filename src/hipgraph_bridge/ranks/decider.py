@@ -18,6 +18,7 @@ run on the padded buffers, and every round runs as it would with graphs.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -78,10 +79,11 @@ class AgreedDecider(Decider):
     def agree_padding(self, step: int, refusal: Fallback | None) -> Fallback | None:
         mine = (Status.REFUSED, str(refusal)) if refusal is not None else (Status.OK, "")
         bad = failures(self.session.settle(Round.ROWS, step, lambda: mine))
-        if refusal is not None or not bad:
-            return refusal
-        return Fallback(Reason.ROWS_COUPLED, f"other ranks refuse to pad this model ({describe_failures(bad)}), so "
-                        "this rank does not pad either: every rank must run the same bucket")
+        if not bad:
+            return None
+        reason = refusal.reason if refusal is not None else Reason.ROWS_COUPLED
+        return Fallback(reason, f"not padded on every rank: {describe_failures(bad)} (every rank must run the "
+                        "same bucket)", refusal.level if refusal is not None else logging.WARNING)
 
     def capture(self, capturer: Capturer | None, run: Callable[[], Any], what: str, *, bucket: int, key: Hashable,
                 warm: Sequence[Callable[[], Any]], stateful: bool, freeze_gc: bool = True) -> Captured:
