@@ -28,11 +28,12 @@ Workflow::
    capture one graph holding every branch, so all branches must return the
    same structure, shapes and dtypes; ``"dispatch"`` reads the selector on the
    host and replays the chosen branch's own graph; ``"eager"`` means no GPU
-   graphs. ``strategy="auto"``
-   picks native where :func:`~.support.conditional_support` allows (the
-   capability table's ``conditional_branches`` row: CUDA >= 12.8), else
-   dispatch (HIP has no conditional nodes up to ROCm 7.2: ROCm/hip#3905). A selector kind's graph is captured on first use, or up front
-   with ``capture(x, selectors=("bool", "index"))``.
+   graphs. ``strategy="auto"`` picks native where
+   :func:`~.support.conditional_support` allows (the capability table's
+   ``conditional_branches`` row: CUDA >= 12.8), else dispatch (HIP has no
+   conditional nodes up to ROCm 7.2: ROCm/hip#3905); a strategy that fails to
+   build falls back to dispatch. A selector kind's graph is captured on first
+   use, or up front with ``capture(x, selectors=("bool", "index"))``.
 
 Costs per :meth:`run`: one input copy, one graph launch, one output copy per
 tensor; native adds a selector copy (device to device) and nothing on the
