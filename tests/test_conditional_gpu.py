@@ -339,6 +339,27 @@ def test_while_with_cond_fn_on_values_and_a_functional_body(strategy):
         torch.testing.assert_close(v, ref_v)
 
 
+@pytest.mark.parametrize("strategy", ["native", "host"])
+def test_loop_captures_again_after_close_in_a_fresh_pool(strategy):
+    """close() releases every graph of the loop's pool, which PyTorch's allocator then refuses to
+    capture into: the next run captures through a fresh capturer and pool."""
+    if strategy == "native":
+        _support_or_skip(branches=False, loops=True)
+    state = (torch.zeros((), dtype=torch.int64, device="cuda"), torch.ones(8, device="cuda"))
+    loop = DeviceWhileLoop(LoopCondition(0, "<", 5), counting_body, state, strategy=strategy)
+    pools = []
+    for _ in range(3):
+        i, x = loop.run(*state)
+        assert loop.strategy == strategy, loop.strategy_reason
+        (ref_i, ref_x), _ = eager_loop(lambda a, b: a < 5, counting_body, state, 1000)
+        assert int(i) == 5 and torch.equal(x, ref_x)
+        pools.append(loop._capturer.pool_handle)
+        loop.close()
+        assert loop.strategy == "pending"
+    assert len(set(pools)) == 3
+    assert gfxgraph.stats()["fallback_count"] == 0
+
+
 def test_native_while_makes_no_host_sync():
     _support_or_skip(branches=False, loops=True)
     state = (torch.zeros((), dtype=torch.int64, device="cuda"), torch.randn(128, device="cuda"))
