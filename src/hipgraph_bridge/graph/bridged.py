@@ -14,6 +14,11 @@ through :class:`~.capture.GraphCapture`, which adds:
 * A ``capture_begin`` on a stream that is already capturing is refused before
   it reaches the runtime (which would invalidate the outer capture).
 * Replays are counted and timed for ``gfxgraph.stats()`` (no lock, no allocation).
+* The object is safe to destroy after any failure, interpreter exit included:
+  where PyTorch 2.3 - 2.12 would abort destroying it (a generator registration
+  left half done, "The graph should be registered to the state"), it is kept
+  alive until the process ends instead (:mod:`.capture`, step 5) and refuses
+  further captures.
 
 The public ``BridgedCUDAGraph`` is this class plus the high-level, eager-fallback
 ``capture(model_fn=...)`` (:mod:`hipgraph_bridge.compat`).
@@ -36,6 +41,7 @@ from ..checks import check_cuda_generators
 from .._torch_compat import OriginalCUDAGraph, base_replay, graph_context_exception
 from ..platform import require_gpu, torch_build_version
 from .capture import CaptureState, GraphCapture, add_hint
+from .recovery import generator_states_track_graphs, is_pinned, secure_generator_registration
 
 __all__ = ["SafeCUDAGraph", "GraphState", "OriginalCUDAGraph"]
 
@@ -104,6 +110,11 @@ class SafeCUDAGraph(OriginalCUDAGraph):  # type: ignore[misc,valid-type]
 
     def _require_empty(self, what: str) -> None:
         """Refuse a new capture on a graph that holds one; a graph still capturing loses that capture."""
+        if is_pinned(self):
+            raise RuntimeError(f"{what}(): this graph object is kept alive until the process ends, because "
+                               "PyTorch would abort the process destroying it (a failed capture_begin or "
+                               "register_generator_state left its RNG generator registration half done); "
+                               "capture into a new graph object")
         state = self.state
         if state is GraphState.CAPTURING:
             assert self._capture is not None
@@ -296,10 +307,25 @@ class SafeCUDAGraph(OriginalCUDAGraph):  # type: ignore[misc,valid-type]
                 pass
 
     def register_generator_state(self, generator: Any) -> None:
-        """Register a generator so its random stream advances per replay (same as PyTorch's)."""
+        """Register a generator so its random stream advances per replay (same as PyTorch's).
+
+        Where PyTorch (2.3 - 2.12) would register half-way and leave a graph whose
+        destruction aborts the process, this refuses first (a call while the current
+        stream is capturing) or keeps the graph alive until exit (a failure part-way,
+        such as running out of memory under a memory fraction); see :mod:`.capture`.
+        """
         self._require_native("register_generator_state")
         check_cuda_generators("register_generator_state", (generator,))
-        super().register_generator_state(generator)
+        if generator_states_track_graphs() and torch.cuda.is_current_stream_capturing():
+            # CUDAGeneratorState::register_graph's assertNotCapturing throws after the graph took the state
+            raise RuntimeError("Cannot register the state during capturing stage.\n[gfxgraph] register generators "
+                               "before capture_begin(); gfxgraph refused before PyTorch's half-done registration "
+                               "would make this graph abort the process when destroyed")
+        try:
+            super().register_generator_state(generator)
+        except BaseException:
+            secure_generator_registration(self, (generator,), why="register_generator_state() failed")
+            raise
         self._generators = (*self._generators, generator)
 
     def register_generators(self, generators: Sequence[torch.Generator]) -> None:

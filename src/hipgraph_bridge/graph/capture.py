@@ -18,10 +18,32 @@ exception propagates) or call :meth:`begin`/:meth:`end` yourself (what
 2. give back the pool reference the allocator took at begin;
 3. synchronise the capture stream (a stream sync, skipped while another capture is live);
 4. reset the graph object (the partial graph is dropped, or leaked when unsafe);
-5. re-arm the RNG generators (their capture epilogue never ran);
-6. count the failure, log it.
+5. when ``capture_begin`` itself raised: make the graph's RNG registration whole, or else
+   keep the graph object alive until the process ends (below);
+6. re-arm the RNG generators (their capture epilogue never ran);
+7. count the failure, log it.
 
-Afterwards the next capture, on any stream, and eager random ops work.
+Afterwards the next capture, on any stream, and eager random ops work, and
+the graph object is safe to destroy at any time, interpreter exit included.
+
+Step 5 (PyTorch 2.3 - 2.11, and 2.12 treated alike; aten/src/ATen/cuda/):
+``CUDAGraph::capture_begin`` (CUDAGraph.cpp) starts by registering the graph
+with the default generator, in two halves (``CUDAGeneratorImpl::register_graph``
+in CUDAGeneratorImpl.cpp: the state into the graph's
+``captured_generator_states_``, then the graph into the state's
+``registered_graphs_``). The second half allocates the state's seed and offset
+tensors when no other graph holds the state, and under
+``torch.cuda.set_per_process_memory_fraction`` that allocation can fail:
+``capture_begin`` raises an out-of-memory error, and the graph keeps a state
+that does not know it. ``CUDAGraph::~CUDAGraph()`` calls
+``CUDAGeneratorState::unregister_graph`` for each of its states, whose
+``TORCH_CHECK(..., "The graph should be registered to the state")`` then
+throws inside a destructor: ``std::terminate``, SIGABRT, whenever the graph
+object is released (at interpreter exit at the latest). Stock PyTorch aborts
+the same way. gfxgraph registers the generator again (both halves are
+idempotent); when that fails too, the graph object is pinned
+(:func:`~.recovery.pin_graph`): a leak of the object, never of a memory pool,
+rather than an abort. A pinned ``SafeCUDAGraph`` refuses further captures.
 
 Where the runtime does not raise during capture (HIP before ROCm 7.14; the
 capability table's ``capture_errors_raised``), a capture also checks the
@@ -50,8 +72,9 @@ from ..errors import GraphCaptureError
 from ..log import logger
 from ..runtime import capture_owner, register_capture, unregister_capture
 from .liveness import InputLiveness
-from .recovery import capture_lost_reason, end_stream_capture, rearm_generators, release_capture_pool, \
-    runtime_capture_status, runtime_checks_capture, stream_is_capturing, synchronize_quietly
+from .recovery import capture_lost_reason, end_stream_capture, is_pinned, prepare_rearm, rearm_generators, \
+    release_capture_pool, runtime_capture_status, runtime_checks_capture, secure_default_registration, \
+    stream_is_capturing, synchronize_quietly
 
 __all__ = ["GraphCapture", "CaptureState", "CAPTURE_MODES", "check_capture_mode", "capture_on_stream", "add_hint",
            "side_stream", "frozen_gc", "warm_up", "record_on_current_stream"]
@@ -160,6 +183,7 @@ class GraphCapture:
         self._t0 = 0.0
         self._open = False  # the runtime capture is open (begun, not yet ended by PyTorch)
         self._unsafe = False
+        self._begin_raised = False  # capture_begin raised: its RNG registration may be half done
         self._liveness_active = False  # the liveness mode is entered (exited once: end() then discard())
         self._contexts: contextlib.ExitStack | None = None
 
@@ -194,14 +218,20 @@ class GraphCapture:
             handle = torch.cuda.graph_pool_handle()
             self.pool = (int(handle[0]), int(handle[1]))
         self._device = torch.cuda.current_device()
+        prepare_rearm(self._device)  # so that a failure path allocates nothing (once per device)
         register_capture(stream.cuda_stream, self)
         self._t0 = time.perf_counter()
         self.state, self._open = CaptureState.CAPTURING, True
         try:
             OriginalCUDAGraph.capture_begin(self._target(), self.pool, self.mode, **self._kwargs)
         except BaseException as exc:
+            self._begin_raised = True
             self.discard(f"capture_begin failed: {exc}")
-            raise add_hint(exc, _begin_hint(exc, self.pool)) from None
+            hint = _begin_hint(exc, self.pool)
+            if is_pinned(self._graph()):
+                hint += ("; this graph object is kept alive until the process ends (PyTorch would abort the "
+                         "process destroying it): capture into a new one")
+            raise add_hint(exc, hint) from None
         if self._check_status:
             self._require_active("after capture_begin")
         if self.liveness is not None:
@@ -275,6 +305,13 @@ class GraphCapture:
         ``graph``: pass the graph object when calling from its finaliser (the
         capture holds it weakly). Discarding an ended capture drops its graph
         (a region that raised after the runtime capture closed).
+
+        Afterwards the graph object is safe to destroy. After a ``capture_begin``
+        that raised, that can take keeping the object alive until the process
+        ends (step 5 of the module docstring): a deliberate leak of the Python
+        object and PyTorch's C++ graph object, which hold no graph and no memory
+        pool then (:func:`~.recovery.pinned_graphs` lists them), because
+        destroying it would abort the process.
         """
         if self.state is CaptureState.DISCARDED:
             return
@@ -294,7 +331,12 @@ class GraphCapture:
                     OriginalCUDAGraph.reset(target)
                 except BaseException as exc:
                     logger.debug("gfxgraph: reset after failed capture raised: %s", exc)
-            if was_open:
+            # False: the default generator's registration could not be completed, so capture_begin
+            # stopped before its capture_prologue and no generator is in capture mode
+            registered = True
+            if self._begin_raised and target is not None:
+                registered = secure_default_registration(target, self._device, why=reason)
+            if was_open and registered:
                 rearm_generators(self, self.generators, device=self._device)
         finally:
             self._open = False
