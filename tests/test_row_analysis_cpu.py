@@ -388,35 +388,23 @@ INDEPENDENT = [
     _case(normalize_and_cosine_over_features, (R0,)),
     _case(two_inputs_in_different_dims, (R0, R0)),
     # wrong today
-    _case(mha_batch_first_eval, (R0,), marks=_bug(
-        "aten._native_multi_head_attention (nn.MultiheadAttention's fast path in eval/no_grad with batch_first) "
-        "has no rule: UNPROVEN")),
-    _case(encoder_layer_batch_first_eval, (R0,), marks=_bug(
-        "aten._transformer_encoder_layer_fwd (TransformerEncoderLayer's fast path) has no rule: UNPROVEN")),
+    _case(mha_batch_first_eval, (R0,)),
+    _case(encoder_layer_batch_first_eval, (R0,)),
     _case(pick_per_row_by_arange, (R0,), marks=_bug(
         "_index: any index tensor on the batch dim is ROWS_COUPLED, also arange(B) paired with a per-row index "
         "(x[arange(B), idx], last-token pooling)")),
-    _case(zero_rows_by_mask, (R0,), marks=_bug(
-        "_index_put aligns a bool mask with _shift (trailing dims); a mask indexes the leading dims from its "
-        "position, so a (B,) mask on (B, F) reads as 'the batch dimension is broadcast': ROWS_COUPLED")),
-    _case(row_mask_fill_square, (R0,), marks=_bug(
-        "_index_put's trailing alignment of a (B,) mask on a (B, B) tensor labels the rows Rows(1), not Rows(0)")),
-    _case(zeros_like_output, (R0, R0, R0), marks=_bug(
-        "_constant labels zeros_like/new_zeros results None though their shape carries the batch: the pool "
-        "then never narrows them and returns the bucket's rows")),
-    _case(write_through_stale_view, (R0,), marks=_bug(
-        "RowTracer._write returns early when the view's new label equals its old one, so the root (relabelled "
-        "None by zero_) is never told it holds rows again: the output is labelled None")),
+    _case(zero_rows_by_mask, (R0,)),
+    _case(row_mask_fill_square, (R0,)),
+    _case(zeros_like_output, (R0, R0, R0)),
+    _case(write_through_stale_view, (R0,)),
     _case(embedding_bag_per_row, (R0,), marks=_bug(
         "_embedding_bag is in _data_shaped ('result size depends on the values'): a 2-D input's bags are its "
         "rows, yet it is ROWS_COUPLED")),
-    _case(prelu, (R0,), marks=_bug("aten._prelu_kernel has no rule: UNPROVEN")),
-    _case(glu_over_features, (R0,), marks=_bug("aten.glu has no rule: UNPROVEN")),
+    _case(prelu, (R0,)),
+    _case(glu_over_features, (R0,)),
     _case(lstm_batch_first, (R0,), marks=_bug("aten.mkldnn_rnn_layer (nn.LSTM on CPU) has no rule: UNPROVEN")),
-    _case(cross_entropy_per_row, (R0,), marks=_bug(
-        "aten.nll_loss_forward has no rule: cross_entropy(reduction='none') is UNPROVEN")),
-    _case(masked_fill_tensor_value, (R0,), marks=_bug(
-        "aten.masked_fill.Tensor (a 0-dim tensor value) has no rule: UNPROVEN; masked_fill.Scalar is pointwise")),
+    _case(cross_entropy_per_row, (R0,)),
+    _case(masked_fill_tensor_value, (R0,)),
 ]
 
 
@@ -602,21 +590,13 @@ REFUSED = _params(
     ("out_into_closure", _writes_out_into_closure, Reason.STATEFUL, "did not create"),
     ("writes_parameter", _writes_parameter, Reason.STATEFUL, "did not create"),
     # wrong today
-    ("equal_gate", lambda: Call(_equal_gate, (X,)), Reason.UNPROVEN, "on the host", _bug(
-        "_plan takes the pointwise rule for aten.equal.default (tagged pointwise) before the packet's "
-        "_host_read rule: a branch on torch.equal(batch, ...) goes unseen")),
-    ("allclose_gate", lambda: Call(_allclose_gate, (X,)), Reason.UNPROVEN, "on the host", _bug(
-        "aten.allclose has no rule and returns a Python bool: _unknown labels only tensor outputs, so a host "
-        "read through an unknown op that returns a scalar goes unseen")),
+    ("equal_gate", lambda: Call(_equal_gate, (X,)), Reason.UNPROVEN, "on the host"),
+    ("allclose_gate", lambda: Call(_allclose_gate, (X,)), Reason.UNPROVEN, "on the host"),
     ("tolist_gate", lambda: Call(_tolist_gate, (X,)), Reason.UNPROVEN, "on the host", _bug(
         "Tensor.tolist()/.numpy() read batch values without an aten op: a dispatch mode cannot see them "
         "(a __torch_function__ hook, or _to_copy to the CPU on a GPU, could)")),
-    ("fill_with_batch_max", lambda: Call(_fill_with_batch_max, (X,)), COUPLED, "aten.max", _bug(
-        "_constant is registered for the fill_/fill packets, so fill_.Tensor drops its value's label "
-        "(and _write ignores a None label): filled with x.max(), the result is called independent")),
-    ("count_masked_rows_square", lambda: Call(_count_masked_rows_square, (_x(4, 4),)), COUPLED, "", _bug(
-        "_index_put aligns a (B,) mask to the trailing dim; with B == F the rows land in dim 1 and out.sum(0) "
-        "(a count over rows) is called independent")),
+    ("fill_with_batch_max", lambda: Call(_fill_with_batch_max, (X,)), COUPLED, "aten.max"),
+    ("count_masked_rows_square", lambda: Call(_count_masked_rows_square, (_x(4, 4),)), COUPLED, ""),
     ("batch_size_as_value", lambda: Call(_mean_by_batch_size, (X,)), COUPLED, "", _bug(
         "x / x.shape[0]: a size read is no aten op, so the live trace cannot see it (the compile backend's "
         "SIZE_AS_VALUE and the pool's poisoned replay can)")),

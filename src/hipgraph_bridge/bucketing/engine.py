@@ -482,7 +482,8 @@ class BucketEngine:
             if entry.graph is not None:
                 entry.graph.reset()
         self.entries.clear()
+        self.keys.clear()
         self.inputs = None
         self.order.forget()
-        self.capturer.forget_growth()
+        self.capturer.release_pool()
         self.generation += 1

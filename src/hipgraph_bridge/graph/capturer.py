@@ -101,6 +101,13 @@ class Capturer:
     def forget_growth(self) -> None:
         self._largest_growth = 0
 
+    def release_pool(self) -> None:
+        """Every graph of the family was released: later captures use a fresh pool (PyTorch's allocator
+        refuses to capture into a pool whose graphs are all gone: ``use_count > 0``). A given pool stays."""
+        self._largest_growth = 0
+        if not self._given_pool:
+            self._pool_handle = None
+
     def refusal(self) -> str | None:
         """Why a capture now would pass the VRAM cap (None: it may be made)."""
         over, why = exceeds_vram_cap(self._largest_growth, self.vram_cap)

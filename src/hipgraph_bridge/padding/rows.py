@@ -52,11 +52,17 @@ aten = torch.ops.aten
 
 
 class Rows(NamedTuple):
-    """Along ``dim``, index ``i`` belongs to batch row ``(i // inner) % rows`` (see the module docstring)."""
+    """Along ``dim``, index ``i`` belongs to batch row ``(i // inner) % rows`` (see the module docstring).
+
+    ``shaped``: only the size follows the batch (``zeros_like(x)``, ``torch.zeros(x.shape[0], 3)``): the
+    values hold no row, but an output like it must still be sliced back. Where it meets a real
+    row label in another dim, the size was a coincidence and the real one wins.
+    """
 
     dim: int
     inner: int = 1
     outer: int = 1
+    shaped: bool = False
 
 
 class Mixed:
@@ -84,6 +90,10 @@ def join(a: Label, b: Label) -> Label:
         return a if a.proven or not isinstance(b, Mixed) else b
     if isinstance(b, Mixed):
         return b
+    if a.shaped or b.shaped:  # a size that follows the batch carries no row: the other label decides
+        if a.shaped and b.shaped:
+            return a if a.dim == b.dim and a.inner == b.inner else None
+        return b if a.shaped else a
     return Mixed(f"rows of the batch meet along dims {a.dim} and {b.dim}")
 
 
@@ -207,6 +217,8 @@ class RowTracer(RowDispatchMode):
         try:
             if seeded and not self._not_random(func, args, kwargs or {}):
                 self.random = self.random or str(func.overloadpacket)
+            if labelled and type(out) in (bool, int, float) and not self.host_read:
+                self._host(func)
             if not labelled and not writes[0] and rule is not _batch_norm:
                 self._plain(func, args, out, is_view)
             elif rule is None:
@@ -216,6 +228,10 @@ class RowTracer(RowDispatchMode):
         except Exception as exc:  # a rule that fails is an unknown op, never the model's error
             self._unknown(func, args, kwargs or {}, out, f"{func}: the row analysis failed on it ({exc})")
         return out
+
+    def _host(self, func: Any) -> None:
+        self.host_read = (f"the model reads batch values on the host ({func.overloadpacket}, e.g. .item(), "
+                          "torch.equal or a branch on a tensor): its control flow may depend on the rows")
 
     def _get(self, t: Any) -> _Entry | None:
         e = self._info.get(id(t))
@@ -232,14 +248,22 @@ class RowTracer(RowDispatchMode):
 
     # ------------------------------------------------------------------ bookkeeping
     def _plain(self, func: Any, args: Sequence[Any], out: Any, is_view: bool) -> None:
-        """An op on unlabelled values: its outputs carry no rows; views keep their base's kind."""
+        """An op on unlabelled values: its outputs carry no rows; views keep their base's kind. A new
+        tensor with exactly one dimension of the batch's size is taken to be sized by it (``shaped``)."""
         if is_view and args and isinstance(args[0], torch.Tensor) and func.overloadpacket not in _FRESH:
             for t in _tensors(out):
                 self._new_view(t, args[0], None)
             return
+        factory = func.overloadpacket in _NEW or not any(isinstance(a, torch.Tensor) for a in args)
         for t in _tensors(out):
             if self._get(t) is None:
-                self._put(t, None, _CREATED, None)
+                self._put(t, self._sized(t) if factory else None, _CREATED, None)
+
+    def _sized(self, t: torch.Tensor) -> Label:
+        if self.rows < 2:
+            return None
+        dims = [d for d, n in enumerate(t.shape) if n == self.rows]
+        return Rows(dims[0], shaped=True) if len(dims) == 1 else None
 
     def _unknown(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any, why: str) -> None:
         label: Label = None
@@ -302,13 +326,15 @@ class RowTracer(RowDispatchMode):
         old_label = None if old is None else old[1]
         root_ref = None if old is None else old[3]
         self._put(w, new, kind, root_ref)
-        if new == old_label or new is None:
-            return
+        if new is None:
+            return  # constants written: what else the memory holds keeps its label
         root = root_ref() if root_ref is not None else w
         if root is not None and root is not w:
             r = self._get(root)
             self._put(root, join(None if r is None else r[1], self._root_label(func, w, root, new)), kind,
                       None if r is None else r[3])
+        if new == old_label:
+            return
         for ref in self._views.get(id(root if root is not None else w), ()):
             v = ref()
             if v is not None and v is not w:
@@ -325,7 +351,7 @@ class RowTracer(RowDispatchMode):
         step = view.stride(label.dim) * label.inner
         for r in range(root.dim()):
             if root.stride(r) == step and root.shape[r] == self.rows and label.outer == 1:
-                return Rows(r)
+                return Rows(r, shaped=label.shaped)
         return Mixed(f"{func.overloadpacket} writes rows of the batch into part of a tensor", proven=False)
 
     def _not_random(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
@@ -334,7 +360,8 @@ class RowTracer(RowDispatchMode):
         if spec is not None:
             return not _arg(args, kwargs, spec[1], "dropout_p", 0.0)
         if str(func.overloadpacket) in ("aten.native_dropout", "aten.dropout"):  # (input, p, train)
-            return not _arg(args, kwargs, 2, "train", True) or not _arg(args, kwargs, 1, "p", 0.0)
+            train = _arg(args, kwargs, 2, "train", True)
+            return (train is not None and not train) or not _arg(args, kwargs, 1, "p", 0.0)
         return False
 
     # ------------------------------------------------------------------ verdict
@@ -350,7 +377,10 @@ class RowTracer(RowDispatchMode):
                 mixed = lab if mixed is None or (lab.proven and not mixed.proven) else mixed
                 labels.append(None)
             else:
-                labels.append(lab)
+                labels.append(None if lab is None else lab._replace(shaped=False))
+        kept = self._kept(outputs)
+        if kept:
+            self.state_writes.append(kept)
         common = dict(outputs=tuple(labels), state_writes=tuple(self.state_writes),
                       input_writes=tuple(self.input_writes), ops=self.ops)
         if self.state_writes or self.input_writes:
@@ -363,6 +393,25 @@ class RowTracer(RowDispatchMode):
         if mixed is not None:
             return RowVerdict(Reason.ROWS_COUPLED if mixed.proven else Reason.UNPROVEN, mixed.why, **common)
         return RowVerdict(None, "", **common)
+
+
+    def _kept(self, outputs: Any) -> str:
+        """A tensor the run made from (or sized by) the batch that outlives the call without being one of its
+        outputs: state the model keeps (a cache it created on this call). Called after the run returned."""
+        out_ids = {id(t) for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor)}
+        for t in pytree.tree_leaves(outputs):  # an output that is a view keeps the tensor it views alive
+            e = self._get(t) if isinstance(t, torch.Tensor) else None
+            if e is not None and e[3] is not None and e[3]() is not None:
+                out_ids.add(id(e[3]()))
+        for ref, label, kind, root in list(self._info.values()):
+            t = ref()
+            if t is None or kind != _CREATED or label is None or id(t) in out_ids:
+                continue
+            r = root() if root is not None else None
+            if r is not None and id(r) in out_ids:
+                continue
+            return f"the model keeps a tensor of shape {tuple(t.shape)} it made from the batch (a cache?)"
+        return ""
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:
@@ -413,8 +462,24 @@ def _pointwise(tr: RowTracer, func: Any, args: Sequence[Any], kwargs: dict[str, 
 
 
 def _constant(tr: RowTracer, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> list[Label]:
-    """Fills and factories: the result holds no row of the batch."""
-    return [None] * len(_tensors(out))
+    """Fills and factories: the result holds no row of the batch (its size may: ``new_zeros(x.shape[0], 3)``)."""
+    if args and isinstance(args[0], torch.Tensor) and any(t is args[0] for t in _tensors(out)):
+        lab = tr.label(args[0])  # filled in place: the shape is the tensor's own
+        return [lab._replace(shaped=True) if isinstance(lab, Rows) else None]
+    return [tr._sized(t) for t in _tensors(out)]
+
+
+def _fill_tensor(tr: RowTracer, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> list[Label]:
+    """``fill_(value_tensor)``: every element is the (0-dim) value."""
+    return [tr.label(_arg(args, kwargs, 1, "value"))]
+
+
+def _like(tr: RowTracer, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> list[Label]:
+    """``zeros_like(x)`` and kin: no row in the values, the batch in the shape."""
+    lab = tr.label(args[0])
+    if isinstance(lab, Rows):
+        return [lab._replace(shaped=True)]
+    return [None if lab is None else Mixed("a tensor shaped like values that mix rows", proven=False)]
 
 
 def _copy(tr: RowTracer, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> list[Label]:
@@ -753,6 +818,30 @@ def _attention(tr: RowTracer, func: Any, args: Sequence[Any], kwargs: dict[str, 
     return [lab] + [None if not isinstance(lab, Rows) or lab.dim > 2 else lab] * (n - 1)
 
 
+def _batch_first_attention(tr: RowTracer, func: Any, args: Sequence[Any], kwargs: dict[str, Any],
+                           out: Any) -> list[Label]:
+    """PyTorch's fused inference paths of nn.MultiheadAttention and nn.TransformerEncoderLayer
+    (batch first): each sample attends within itself, so rows along dim 0 stay independent."""
+    n = len(_tensors(out))
+    lab = _first_label(tr, args, kwargs)
+    if lab is None:
+        return [None] * n
+    for a in [*args, *kwargs.values()]:
+        al = tr.label(a) if isinstance(a, torch.Tensor) else None
+        if al is not None and not (isinstance(al, Rows) and al.dim == 0 and al.inner == 1):
+            return [Mixed(f"{func.overloadpacket} works across the batch dimension")] * n
+    return [Rows(0)] * n
+
+
+def _nll(tr: RowTracer, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> list[Label]:
+    """nll_loss per row (reduction none) keeps the rows; a mean or sum over them mixes them."""
+    lab = join(tr.label(args[0]), tr.label(args[1]))
+    n = len(_tensors(out))
+    if lab is not None and _arg(args, kwargs, 3, "reduction", 1) != 0:
+        return [Mixed("the loss reduces over the batch")] * n
+    return [lab] + [None] * (n - 1)
+
+
 def _embedding(tr: RowTracer, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> list[Label]:
     if tr.label(args[0]) is not None:
         return [Mixed("an embedding table depends on the batch", proven=False)]
@@ -843,11 +932,17 @@ def _index_put(tr: RowTracer, func: Any, args: Sequence[Any], kwargs: dict[str, 
     lab, vl = tr.label(x), tr.label(values)
     masks = [ix for ix in indices if isinstance(ix, torch.Tensor) and ix.dtype in (torch.bool, torch.uint8)]
     if masks and len(masks) == len([ix for ix in indices if ix is not None]) and values.numel() == 1:
-        lab = join(lab, vl)  # x[mask] = v: elementwise
-        for m in masks:
-            ml = tr.label(m)
-            lab = join(lab, _shift(ml, m.dim(), x, m.shape[ml.dim] if isinstance(ml, Rows) else None)
-                       if isinstance(ml, Rows) else ml)
+        lab = join(lab, vl)  # x[mask] = v: elementwise; a mask at index position k covers dims k, k+1, ...
+        pos = 0
+        for ix in indices:
+            if ix is None:
+                pos += 1
+                continue
+            ml = tr.label(ix)
+            if isinstance(ml, Rows):
+                ml = ml._replace(dim=pos + ml.dim)
+            lab = join(lab, ml)
+            pos += ix.dim()
         return [lab]
     adv = [k for k, ix in enumerate(indices) if ix is not None]
     if isinstance(lab, Rows) and lab.dim in adv:
@@ -974,6 +1069,9 @@ _ITEM = _op("aten::_local_scalar_dense.default")
 _PLANS: dict[Any, tuple[Rule | None, bool, tuple[tuple[int, ...], tuple[str, ...]], bool]] = {}
 _FRESH = frozenset(p for p in (_op("aten::lift_fresh"), _op("aten::lift_fresh_copy"), _op("aten::lift"))
                    if p is not None)
+# factories that take a tensor only for its dtype and device: their size may be the batch's
+_NEW = frozenset(p for p in (_op(f"aten::{n}") for n in ("new_zeros", "new_ones", "new_empty", "new_full",
+                                                         "new_empty_strided")) if p is not None)
 
 
 def _plan(func: Any) -> tuple[Rule | None, bool, tuple[tuple[int, ...], tuple[str, ...]], bool]:
@@ -998,8 +1096,13 @@ _register(_view, "view", "_unsafe_view", "reshape", "_reshape_alias", "view_as",
 _register(_same, "alias", "detach", "_to_copy", "clone", "contiguous", "lift_fresh", "lift_fresh_copy", "lift",
           "tril", "triu", "_conj", "conj", "positive", "_c10d_functional::wait_tensor")
 _register(_copy, "copy_", "copy")
-_register(_constant, "fill_", "zero_", "fill", "zero", "zeros_like", "ones_like", "empty_like", "full_like",
-          "new_zeros", "new_ones", "new_empty", "new_full", "new_empty_strided", "scalar_tensor", "empty",
+_register(_fill_tensor, "fill_.Tensor", "fill.Tensor")
+_register(_like, "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like")
+_register(_batch_first_attention, "_native_multi_head_attention", "_transformer_encoder_layer_fwd")
+_register(_nll, "nll_loss_forward", "nll_loss2d_forward")
+_register(_pointwise, "_prelu_kernel", "masked_fill.Tensor")
+_register(_cdist, "_euclidean_dist")
+_register(_constant, "fill_.Scalar", "zero_", "fill.Scalar", "zero", "new_zeros", "new_ones", "new_empty", "new_full", "new_empty_strided", "scalar_tensor", "empty",
           "zeros", "ones", "full", "arange", "linspace", "logspace", "eye", "empty_strided", "_assert_async")
 _register(_permute, "permute", "transpose.int", "t", "swapdims", "swapaxes")
 _register(_unsqueeze, "unsqueeze")
@@ -1011,7 +1114,7 @@ _register(_split, "split.Tensor", "split_with_sizes", "unbind.int", "chunk", "te
 _register(_diagonal, "diagonal")
 _register(_unfold, "unfold")
 _register(_complex_view, "view_as_real", "view_as_complex")
-_register(_reduction, "sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", "prod", "var", "std",
+_register(_reduction, "glu", "sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", "prod", "var", "std",
           "var_mean", "std_mean", "norm", "linalg_vector_norm", "logsumexp", "all", "any", "count_nonzero",
           "median", "nanmedian", "mode", "kthvalue", "topk", "sort", "argsort", "msort", "cumsum", "cumprod",
           "cummax", "cummin", "logcumsumexp", "_softmax", "_log_softmax", "softmax", "log_softmax",
@@ -1050,7 +1153,7 @@ _register(_index_along, "index_add", "index_add_", "index_copy", "index_copy_", 
 _register(_data_shaped, "nonzero", "nonzero_static", "masked_select", "masked_scatter", "masked_scatter_",
           "unique_dim", "_unique2", "unique_consecutive", "unique_dim_consecutive", "bincount", "histc",
           "argwhere", "take", "put", "put_", "_embedding_bag", "embedding_bag")
-_register(_host_read, "_local_scalar_dense", "is_nonzero", "equal", "is_same_size")
+_register(_host_read, "_local_scalar_dense.default", "is_nonzero.default", "equal.default", "is_same_size.default")
 _register(_cat, "cat", "stack", "_cat", "hstack", "vstack")
 _register(_pad, "constant_pad_nd")
 _register(_flip, "flip", "roll")
@@ -1082,7 +1185,7 @@ _REDUCE_ARGS = {  # packet name -> (dim position, name, default, keepdim positio
     "argsort": (1, "dim", -1, None, "", "along"), "msort": (99, "", 0, None, "", "along"),
     "_softmax": (1, "dim", -1, None, "", "along"), "_log_softmax": (1, "dim", -1, None, "", "along"),
     "softmax": (1, "dim", -1, None, "", "along"), "log_softmax": (1, "dim", -1, None, "", "along"),
-    "_safe_softmax": (1, "dim", -1, None, "", "along"),
+    "_safe_softmax": (1, "dim", -1, None, "", "along"), "glu": (1, "dim", -1, None, "", "along"),
     "cumsum": (1, "dim", None, None, "", "scan"), "cumprod": (1, "dim", None, None, "", "scan"),
     "cummax": (1, "dim", None, None, "", "scan"), "cummin": (1, "dim", None, None, "", "scan"),
     "logcumsumexp": (1, "dim", None, None, "", "scan"),
