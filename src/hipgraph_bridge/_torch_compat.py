@@ -37,6 +37,8 @@ collectives in an FX graph     ``torch._ops.OpOverload[Packet]`` in the    same
                                namespaces
 torch ops by name              ``torch._ops.OpOverload`` and its packet    same
                                (the piecewise backend's splitting ops)
+generator states and graphs    ``~CUDAGraph()`` checks its registration    per-capture RNG state: nothing
+                               with each generator state (2.3 - 2.12)      to check (pytorch#176752)
 op schemas                     ``OpOverload._schema``: which arguments     same
                                an op writes (the row analysis)
 fake tensors                   ``torch._subclasses.FakeTensorMode``: the   same
@@ -87,6 +89,7 @@ __all__ = [
     "RowDispatchMode",
     "static_fake_mode",
     "is_fake",
+    "generator_states_track_graphs",
     "dynamo_registry",
     "lookup_backend",
     "is_dynamo_signal",
@@ -420,6 +423,28 @@ def static_fake_mode() -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode  # heavy: only the compile backend gets here
 
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def generator_states_track_graphs(version: str | None = None) -> bool:
+    """Whether this PyTorch's CUDA generator states record the graphs registered with them and
+    ``~CUDAGraph()`` insists on finding itself there: torch 2.3 - 2.11 (the device runs 2.11), and
+    2.12, which is treated alike (registering again, the repair, is harmless where it does not check).
+
+    aten/src/ATen/cuda/CUDAGeneratorImpl.cpp (2.3 - 2.11): ``CUDAGeneratorState::unregister_graph``
+    is ``TORCH_CHECK(registered_graphs_.find(graph) != registered_graphs_.end(), "The graph should be
+    registered to the state")``, and aten/src/ATen/cuda/CUDAGraph.cpp ``CUDAGraph::~CUDAGraph()``
+    calls it for every state in ``captured_generator_states_``. A check that throws in a destructor
+    ends the process (``std::terminate``, SIGABRT). ``register_generator_state`` arrived with that
+    bookkeeping (pytorch/pytorch#114068, 2.3); torch 2.13 keys RNG state by capture id instead
+    (pytorch/pytorch#176752: its CUDAGeneratorImpl.h has no ``unregister_graph``). ``version``:
+    ``torch.__version__`` by default.
+    """
+    text = torch.__version__ if version is None else version
+    try:
+        major, minor = (int(part) for part in text.split("+")[0].split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) < (2, 13) and callable(getattr(OriginalCUDAGraph, "register_generator_state", None))
 
 
 def is_fake(t: Any) -> bool:

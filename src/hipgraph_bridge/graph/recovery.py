@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .._torch_compat import OriginalCUDAGraph, end_allocate_to_pool
+from .._torch_compat import OriginalCUDAGraph, end_allocate_to_pool, generator_states_track_graphs
 from ..log import logger
 from ..runtime import captures_live, current_capabilities, current_runtime
 
@@ -183,29 +183,6 @@ def rearm_generators(owner: object, generators: Iterable[torch.Generator], *, de
 
 
 # ------------------------------------------------------------------ graph objects that must not be destroyed
-# TODO move to _torch_compat: which torch versions check the registration in ~CUDAGraph().
-def generator_states_track_graphs(version: str | None = None) -> bool:
-    """Whether this PyTorch's CUDA generator states record the graphs registered with them and
-    ``~CUDAGraph()`` insists on finding itself there: torch 2.3 - 2.11 (the device runs 2.11), and
-    2.12, which is treated alike (registering again, the repair, is harmless where it does not check).
-
-    aten/src/ATen/cuda/CUDAGeneratorImpl.cpp (2.3 - 2.11): ``CUDAGeneratorState::unregister_graph``
-    is ``TORCH_CHECK(registered_graphs_.find(graph) != registered_graphs_.end(), "The graph should be
-    registered to the state")``, and aten/src/ATen/cuda/CUDAGraph.cpp ``CUDAGraph::~CUDAGraph()``
-    calls it for every state in ``captured_generator_states_``. A check that throws in a destructor
-    ends the process (``std::terminate``, SIGABRT). ``register_generator_state`` arrived with that
-    bookkeeping (pytorch/pytorch#114068, 2.3); torch 2.13 keys RNG state by capture id instead
-    (pytorch/pytorch#176752: its CUDAGeneratorImpl.h has no ``unregister_graph``). ``version``:
-    ``torch.__version__`` by default.
-    """
-    text = torch.__version__ if version is None else version
-    try:
-        major, minor = (int(part) for part in text.split("+")[0].split(".")[:2])
-    except ValueError:
-        return False
-    return (major, minor) < (2, 13) and callable(getattr(OriginalCUDAGraph, "register_generator_state", None))
-
-
 def _default_generator(device: int) -> tuple[torch.Generator, ...]:
     """The default CUDA generator of ``device``, as a 0- or 1-tuple (none without CUDA)."""
     gens = torch.cuda.default_generators
