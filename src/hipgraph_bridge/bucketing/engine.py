@@ -72,6 +72,26 @@ from .options import PoolOptions
 __all__ = ["BucketEngine", "KeyState", "training_layers"]
 
 
+@dataclass(frozen=True)
+class FastCall:
+    """What a call of one batch size does once its graph is checked (no constant arguments): copy the
+    tensors in, replay, return the sliced outputs. Valid while the engine's ``generation`` is ``generation``."""
+
+    generation: int
+    batch: int
+    padded: bool  # the bucket is larger than the batch: its padding must be clean
+    copies: tuple[tuple[torch.Tensor, int], ...]  # (static view, leaf index) per tensor argument
+    replay: Callable[[], Any]
+    outputs: tuple[Any, ...]  # the static outputs sliced to the batch
+    tree: Any  # those outputs as the call returns them uncopied (None: rebuild each call)
+    rebuild: Callable[[list[Any]], Any]
+
+    def result(self, copy: bool) -> Any:
+        if copy:
+            return self.rebuild([o.clone() if isinstance(o, torch.Tensor) else o for o in self.outputs])
+        return self.tree if self.tree is not None else self.rebuild(list(self.outputs))
+
+
 @dataclass
 class KeyState:
     """What the engine knows of the model for one key of constant arguments."""
@@ -120,7 +140,8 @@ class BucketEngine:
         self.keys: dict[tuple[Hashable, ...], KeyState] = {}
         self.inputs: StaticInputs | None = None
         self.order = CallOrder()
-        self.generation = 0  # moves whenever a key's table changes or the pool is closed (static_io's fast path)
+        self.generation = 0  # moves whenever a key's table changes or the pool is closed (the fast calls' check)
+        self.fast: dict[int, FastCall] = {}  # batch -> its checked call, for the key of no constants
         self._given = verdict
         self._training = training_layers(model_fn)
         self._no_gpu = Fallback(Reason.NO_GPU, probe().reason or "")
@@ -128,7 +149,48 @@ class BucketEngine:
     # ------------------------------------------------------------------ the call
     def call(self, inputs: StaticInputs, leaves: list[Any], batch: int, args: tuple[Any, ...],
              kwargs: dict[str, Any], copy: bool) -> Any:
-        """Answer one call (module docstring); ``copy`` overrides ``copy_outputs``."""
+        """Answer one call (module docstring); ``copy`` overrides ``copy_outputs``.
+
+        Cost once a batch size's graph is checked (no constant arguments): a dict lookup, one copy per
+        tensor argument, the stream check, the replay, the output views (cloned when ``copy``).
+        """
+        fast = self.fast.get(batch)
+        if fast is not None and fast.generation == self.generation and not (fast.padded and inputs.dirty > batch):
+            sw = config.switches
+            if not (sw.validate or sw.debug):
+                for dst, i in fast.copies:
+                    src = leaves[i]
+                    if src is not dst:
+                        dst.copy_(src)
+                if inputs.dirty < batch:
+                    inputs.dirty = batch
+                self.order.after_previous()
+                fast.replay()
+                return fast.result(copy)
+        out = self._call(inputs, leaves, batch, args, kwargs, copy)
+        if not inputs.layout.has_consts and batch not in self.fast:
+            self._remember(inputs, batch, out, copy)
+        return out
+
+    def _remember(self, inputs: StaticInputs, batch: int, out: Any, copy: bool) -> None:
+        """Keep the fast call of ``batch`` once its graph answered a call (checked, when padded)."""
+        ks = self.keys.get(())
+        if ks is None or not self.graphs:
+            return
+        bucket = (self.padded_table if ks.padded else self.exact_table)[batch]
+        entry = self.entries.get((bucket, ()))
+        if entry is None or entry.graph is None or entry.layout is None or entry.outputs is None \
+                or entry.fallback is not None or (batch < bucket and not entry.confirmed):
+            return
+        layout = entry.layout
+        views = layout.real(entry.outputs, batch)
+        tree = layout.result(entry.outputs, batch, copy=False, cache=True)
+        copies = tuple((dst, i) for dst, i, _ in inputs._plan(batch, bucket))
+        self.fast[batch] = FastCall(self.generation, batch, batch < bucket, copies, entry.graph.replay, tuple(views),
+                                    tree if layout._immutable else None, layout._rebuild)
+
+    def _call(self, inputs: StaticInputs, leaves: list[Any], batch: int, args: tuple[Any, ...],
+              kwargs: dict[str, Any], copy: bool) -> Any:
         opts = self.opts
         if batch > opts.buckets[-1]:
             return self._oversize(batch, args, kwargs)
@@ -457,21 +519,12 @@ class BucketEngine:
         if captured.fallback is not None:
             logger.warning("gfxgraph: %s: %s runs eagerly: %s", self.what, f"bucket {bucket}", captured.fallback)
 
-    def fast_io(self, batch: int, out: Any) -> tuple[Callable[[], Any], Any, bool, int] | None:
-        """What a zero-copy call of ``batch`` rows may do next time: (replay, its result, padded, generation);
-        None while its graph is missing, unchecked, or did not produce ``out``."""
-        ks = self.keys.get(())
-        if ks is None:
+    def fast_io(self, batch: int, out: Any) -> FastCall | None:
+        """A zero-copy call's fast path for ``batch`` rows, once its graph answered ``out`` (else None)."""
+        fast = self.fast.get(batch)
+        if fast is None or fast.generation != self.generation or out is not fast.tree:
             return None
-        bucket = (self.padded_table if ks.padded else self.exact_table)[batch]
-        entry = self.entries.get((bucket, ()))
-        if entry is None or entry.graph is None or entry.layout is None or entry.outputs is None:
-            return None
-        if batch < bucket and not entry.confirmed:
-            return None
-        if out is not entry.layout.result(entry.outputs, batch, copy=False, cache=True):
-            return None
-        return entry.graph.replay, out, batch < bucket, self.generation
+        return fast
 
     # ------------------------------------------------------------------ introspection
     def unpadded(self) -> dict[tuple[Hashable, ...], Fallback]:
@@ -483,6 +536,7 @@ class BucketEngine:
                 entry.graph.reset()
         self.entries.clear()
         self.keys.clear()
+        self.fast.clear()
         self.inputs = None
         self.order.forget()
         self.capturer.release_pool()

@@ -312,13 +312,13 @@ class ShapeBucketPool:
                 engine = self._engine
                 inputs = engine.inputs
                 # still this pool's buffers and decisions, and the padding still clean
-                if inputs is io.inputs and fast[3] == engine.generation and not (fast[2] and
-                                                                                   inputs.dirty > io.batch_size):
-                    if inputs.dirty < io.batch_size:
-                        inputs.dirty = io.batch_size  # the caller wrote its rows
+                if inputs is io.inputs and fast.generation == engine.generation and not (
+                        fast.padded and inputs.dirty > fast.batch):
+                    if inputs.dirty < fast.batch:
+                        inputs.dirty = fast.batch  # the caller wrote its rows
                     engine.order.after_previous()
-                    fast[0]()
-                    return fast[1]
+                    fast.replay()
+                    return fast.tree
         with self._lock:
             engine = self._engine
             if engine.inputs is not io.inputs:

@@ -49,9 +49,7 @@ class StaticIO:
         self.inputs = inputs  # the pool's buffers this belongs to (a closed pool has new ones)
         self.leaves = inputs.views(batch_size, batch_size)
         self.args, self.kwargs = inputs.layout.rebuild(self.leaves)
-        # (graph replay, its result, padded, the pool's generation) once the checks are done: a later run
-        # only replays
-        self.fast: tuple[Callable[[], Any], Any, bool, int] | None = None
+        self.fast: Any = None  # the engine's FastCall once the checks are done: a later run only replays
         self._run = run
 
     def run(self) -> Any:
