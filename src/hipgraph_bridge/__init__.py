@@ -2,13 +2,14 @@
 
 Use :mod:`gfxgraph` for the public API (``gfxgraph.enable()``); import from
 here to use the classes without the patch. Layers, bottom up (each imports
-only those below it): ``runtime`` <- ``graph`` <- ``bucketing``,
-``conditional``, ``compose`` <- ``generation``, ``compile`` <- ``compat``; see docs/ARCHITECTURE.md.
+only those below it): ``runtime`` <- ``graph`` <- ``ranks``, ``conditional``, ``compose`` <- ``padding``
+<- ``bucketing`` <- ``generation``, ``compile`` <- ``compat``; see docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations
 
-from .bucketing import ShapeBucketPool
+from .bucketing import PoolOptions, ShapeBucketPool
+from .fallbacks import Fallback, Reason
 from .graph.buckets import default_buckets, validate_buckets
 from .ranks import RankAgreement
 from .compat import BridgedCUDAGraph
@@ -51,6 +52,9 @@ from .validation import outputs_match, tolerance_for
 __version__ = "0.1.0"
 
 __all__ = [
+    "PoolOptions",
+    "Fallback",
+    "Reason",
     "BridgedCUDAGraph",
     "SafeCUDAGraph",
     "OriginalCUDAGraph",

@@ -164,6 +164,8 @@ def record_fallback(fallback: Fallback) -> None:
     ``fallback.level``: with logging unconfigured a WARNING reaches stderr
     through ``logging.lastResort``.
     """
+    if not isinstance(fallback, Fallback):
+        raise TypeError(f"record_fallback: expected a Fallback(reason, detail), got {type(fallback).__name__}")
     reason = fallback.reason.value
     with _reg.lock:
         _reg.fallback_reasons[reason] = _reg.fallback_reasons.get(reason, 0) + 1
