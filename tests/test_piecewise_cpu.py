@@ -240,14 +240,14 @@ def _gm(fn, *shapes):
     (lambda x: x.mean(), True),  # over everything
     (lambda x: torch.softmax(x, dim=1), True),
     (lambda x: torch.softmax(x, dim=-1), False),
-    (lambda x: x.cumsum(1), True),
+    (lambda x: x.cumsum(1), False),  # a scan: padding rows come after the real ones, which never read them
     (lambda x: x[:, -1], True),
     (lambda x: x[:, 1:], True),
     (lambda x: x[..., :4] * 2, False),
     (lambda x: torch.cat([x, x], dim=1), True),
     (lambda x: torch.cat([x, x], dim=-1), False),
     (lambda x: x.transpose(1, 2) @ x, True),  # contracts over the sequence
-    (lambda x: x @ x.transpose(1, 2), False),  # (S, S) scores: each row its own
+    (lambda x: x @ x.transpose(1, 2), True),  # (S, S): the token dim twice, which the analysis does not follow
     (lambda x: F.layer_norm(x, (8,)), False),
     (lambda x: x.flip(1), True),
     (lambda x: x.view(x.shape[0], x.shape[1] // 2, 16), True),  # pairs of rows

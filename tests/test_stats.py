@@ -6,6 +6,7 @@ import threading
 
 import gfxgraph
 from hipgraph_bridge import stats as core
+from hipgraph_bridge.fallbacks import Fallback, Reason
 
 SEED_KEYS = {"enabled_at", "capture_count", "replay_count", "fallback_count", "validation_failures",
              "avg_replay_us"}
@@ -88,8 +89,8 @@ def test_replay_latency_samples_and_percentiles():
 
 def test_fallbacks_counted_per_reason_and_logged_once(caplog):
     for _ in range(3):
-        core.record_fallback("vram_cap", "bucket 64")
-    core.record_fallback("capture_failed", "boom")
+        core.record_fallback(Fallback(Reason.VRAM_CAP, "bucket 64"))
+    core.record_fallback(Fallback(Reason.CAPTURE_FAILED, "boom"))
     snap = gfxgraph.stats()
     assert snap["fallback_count"] == 4
     assert snap["fallback_reasons"] == {"vram_cap": 3, "capture_failed": 1}
@@ -101,13 +102,13 @@ def test_reset_zeroes_everything_and_relogs(caplog):
     core.record_replay_ns(5000)
     core.record_capture(0.5)
     core.record_validation(False)
-    core.record_fallback("x", "y")
+    core.record_fallback(Fallback(Reason.EAGER, "y"))
     gfxgraph.reset_stats()
     snap = gfxgraph.stats()
     assert snap["replay_count"] == 0 and snap["capture_count"] == 0
     assert snap["validation_failures"] == 0 and snap["fallback_count"] == 0
-    core.record_fallback("x", "y")
-    assert caplog.text.count("reason: x") == 2
+    core.record_fallback(Fallback(Reason.EAGER, "y"))
+    assert caplog.text.count("reason: eager") == 2
     core.record_replay_ns(7000)  # a thread's recorder from before the reset is replaced
     assert gfxgraph.stats()["replay_samples"] == 1
 
@@ -118,12 +119,12 @@ def test_concurrent_recording_and_snapshots_are_exact():
     def writer() -> None:
         for _ in range(per_thread):
             core.record_replay_ns(1000)
-        core.record_fallback("thread", "")
+        core.record_fallback(Fallback(Reason.EAGER))
 
     seen_counts = _race(writer, lambda: gfxgraph.stats()["replay_samples"])
     snap = gfxgraph.stats()
     assert snap["replay_samples"] == 8 * per_thread
-    assert snap["fallback_reasons"]["thread"] == 8
+    assert snap["fallback_reasons"]["eager"] == 8
     assert seen_counts == sorted(seen_counts)  # monotone while recording
 
 
