@@ -216,15 +216,18 @@ def test_bf16_model_is_graphed_not_flagged_by_the_padding_check():
     assert dyn.state is SubgraphState.GRAPHED, dyn.detail
 
 
-def test_rows_depending_on_each_other_fall_back():
+def test_rows_depending_on_each_other_get_exact_size_graphs():
     def f(x):
         return torch.softmax(x, dim=0) * 3  # across the batch: padding changes every row
 
     c = torch.compile(f, backend="gfxgraph")
-    for n in (3, 5, 6, 7, 9):
+    for n in (3, 5, 6, 7, 9, 5):
         x = torch.randn(n, 16, device="cuda")
         torch.testing.assert_close(c(x), f(x))
-    assert any(s.reason == "padding_changes_results" for s in subgraphs())
+    dyn = next(s for s in subgraphs() if s.plan.batch_symbol is not None)
+    assert dyn.state.value == "graphed" and dyn.verdict.reason == "rows_coupled"  # read from the graph
+    (variant,) = dyn._variants.values()
+    assert variant.pool.captured_buckets == [5, 6, 7, 9]  # one graph per size the dynamic frame saw
 
 
 def test_cpu_model_on_a_gpu_machine_runs_ungraphed():

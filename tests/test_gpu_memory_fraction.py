@@ -162,7 +162,9 @@ def _result(r) -> dict:
 @pytest.mark.parametrize("case, mode", RUNS, ids=[f"{c}-{m}" for c, m in RUNS])
 def test_failed_capture_under_a_memory_fraction_leaves_graphs_safe_to_destroy(py, case, mode):
     r = py(PRELUDE + CASES[case] + EPILOGUE, args=[case, mode], timeout=300)
-    assert "registered to the state" not in r.stderr, r.stderr[-4000:]
+    # gfxgraph's own notice names the check it kept PyTorch from failing; PyTorch's abort prints it bare
+    aborted = [line for line in r.stderr.splitlines() if "registered to the state" in line and "gfxgraph" not in line]
+    assert not aborted, r.stderr[-4000:]
     assert "terminate called" not in r.stderr, r.stderr[-4000:]
     assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr[-4000:]}"
     res = _result(r)

@@ -54,11 +54,12 @@ def test_multi_input_multi_output_kwargs():
         (want, want_mean) = model(x, pos, bias=bias, scale=0.5)
         torch.testing.assert_close(got["h"], want["h"])
         assert torch.equal(got["pos2"], want["pos2"])
-        # h.mean() reduces over the batch: a padded replay would see the padding rows. The first padded
-        # call found that, so padded calls run eagerly; full buckets (8, 16) replay their graphs.
+        # h.mean() reduces over the batch: the first call's trace finds it, so nothing is ever padded:
+        # each batch size gets a graph of exactly its rows
         torch.testing.assert_close(got_mean, want_mean)
-    assert pool.row_coupled and 8 in pool.captured_buckets and 16 in pool.captured_buckets
-    assert gfxgraph.stats()["fallback_reasons"]["padding_changes_results"] >= 2
+    assert pool.unpadded[()].reason == "rows_coupled" and "aten.mean" in pool.unpadded[()].detail
+    assert pool.captured_buckets == [1, 3, 8, 13, 16]
+    assert gfxgraph.stats()["fallback_reasons"] == {"rows_coupled": 1}
 
 
 def test_failing_bucket_runs_eagerly_and_the_rest_keep_working():
@@ -271,9 +272,8 @@ def test_a_row_coupled_model_never_returns_a_padded_result():
         x = torch.randn(n, 6, device="cuda")
         for got, want in zip(pool(x), model(x)):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    assert pool.captured_buckets == [8] and pool.row_coupled
-    reasons = gfxgraph.stats()["fallback_reasons"]
-    assert reasons["padding_changes_results"] == 3  # sizes 5, 3 and 7; size 8 replays the graph
+    assert pool.captured_buckets == [3, 5, 7, 8] and pool.row_coupled  # exact sizes: never a padded result
+    assert gfxgraph.stats()["fallback_reasons"] == {"rows_coupled": 1}  # found once, by the trace
 
 
 def test_one_bucket_does_not_take_a_fixed_size_output_for_a_batch():

@@ -147,9 +147,9 @@ def test_static_kv_cache_written_inside_a_piece_stays_right():
                 torch.testing.assert_close(m.k_cache, ref.k_cache, **TOL[dtype])
                 torch.testing.assert_close(m.v_cache, ref.v_cache, **TOL[dtype])
     writer = next(p for f in frames() for p in f.pieces if p.stateful)
-    assert writer.status() == "unpadded: padded_state_write"
+    assert writer.status() == "unpadded: stateful"
     assert set(writer.captured_buckets) <= {16, 32} and writer.captured_buckets  # only where n was a bucket
-    assert gfxgraph.stats()["fallback_reasons"].get("padded_state_write", 0) >= 2
+    assert gfxgraph.stats()["fallback_reasons"].get("stateful", 0) >= 2
 
 
 def test_validate_mode_compares_every_piece_on_the_gpu():
@@ -169,5 +169,5 @@ def test_a_reduction_over_the_sequence_runs_unpadded_on_the_gpu():
     c = torch.compile(m, backend="gfxgraph", options={"piecewise": True})
     run(c, m, [5, 37, 100, 7], torch.float32)
     (frame,) = frames()
-    assert [p.status() for p in frame.pieces][-1] == "unpadded: padding_unsafe"
+    assert [p.status() for p in frame.pieces][-1] == "unpadded: rows_coupled"
     assert all(p.status() == "graphed" for p in frame.pieces[:-1])

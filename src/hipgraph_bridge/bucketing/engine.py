@@ -175,7 +175,7 @@ class BucketEngine:
     def _remember(self, inputs: StaticInputs, batch: int, out: Any, copy: bool) -> None:
         """Keep the fast call of ``batch`` once its graph answered a call (checked, when padded)."""
         ks = self.keys.get(())
-        if ks is None or not self.graphs:
+        if ks is None or not self.graphs or batch > self.opts.buckets[-1]:
             return
         bucket = (self.padded_table if ks.padded else self.exact_table)[batch]
         entry = self.entries.get((bucket, ()))
@@ -280,7 +280,8 @@ class BucketEngine:
         refusal = self.decider.agree_padding(len(self.keys), refusal)
         ks.decided, ks.padded, ks.refusal = True, refusal is None, refusal
         self.generation += 1
-        if refusal is not None and self.opts.buckets[-1] > 1:
+        asked = (o.stateful and refusal is not None and refusal.reason == Reason.STATEFUL) or o.rows_independent is False
+        if refusal is not None and self.opts.buckets[-1] > 1 and not asked:  # what the caller asked for is no news
             stats.record_fallback(refusal)
 
     def _state_names(self) -> dict[int, str]:
