@@ -388,14 +388,14 @@ def test_state_writes_are_not_padded():
             x = torch.randn(n, 3)
             torch.testing.assert_close(c(x), x * 2 + k)
             assert int(m.steps) == k
-    assert not gfxgraph.stats()["fallback_reasons"].get("padded_state_write")  # exact-size graphs instead
+    assert not gfxgraph.stats()["fallback_reasons"].get("stateful")  # exact-size graphs instead
     gfxgraph.reset_stats()
     with torch.no_grad():
         x = torch.randn(9, 3)  # above every bucket: runs unpadded, counted as oversize
         torch.testing.assert_close(c(x), x * 2 + 6)
         assert int(m.steps) == 6
     reasons = gfxgraph.stats()["fallback_reasons"]
-    assert reasons.get("oversize", 0) >= 1 and not reasons.get("padded_state_write"), reasons
+    assert reasons.get("oversize", 0) >= 1 and not reasons.get("stateful"), reasons
 
 
 @pytest.mark.parametrize("fn,reason", [

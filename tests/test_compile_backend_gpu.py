@@ -280,7 +280,7 @@ def test_state_written_in_place_is_graphed_and_advances_once_per_call():
         assert int(m.steps) == 9
     graphed = [s for s in subgraphs() if s.state is SubgraphState.GRAPHED]
     assert graphed and sum(s.graph_count() for s in graphed) >= 3, subgraphs()
-    assert not gfxgraph.stats()["fallback_reasons"].get("padded_state_write"), gfxgraph.stats()
+    assert not gfxgraph.stats()["fallback_reasons"].get("stateful"), gfxgraph.stats()
 
 
 def test_validate_mode_does_not_run_a_state_writing_subgraph_twice():
