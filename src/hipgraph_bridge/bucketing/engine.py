@@ -158,13 +158,13 @@ class BucketEngine:
         if fast is not None and fast.generation == self.generation and not (fast.padded and inputs.dirty > batch):
             sw = config.switches
             if not (sw.validate or sw.debug):
+                self.order.after_previous()  # before the copies: the previous call may still read the buffers
                 for dst, i in fast.copies:
                     src = leaves[i]
                     if src is not dst:
                         dst.copy_(src)
                 if inputs.dirty < batch:
                     inputs.dirty = batch
-                self.order.after_previous()
                 fast.replay()
                 return fast.result(copy)
         out = self._call(inputs, leaves, batch, args, kwargs, copy)
