@@ -196,3 +196,25 @@ def test_zero_copy_calls_take_the_fast_path_after_the_check():
             out = io.run()
             torch.testing.assert_close(out, m.net(x), rtol=1e-4, atol=1e-5)
     assert io.fast is not None and m.runs == 2  # the first call's own run and capture, then replays only
+
+
+def test_a_transformers_decode_step_that_reads_its_positions_on_the_host_is_padded_by_its_graph():
+    """transformers checks position_ids for packed sequences with a host read, skipped while a stream
+    captures: the own run is unproven, the capture's own trace proves the graph row-independent."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=100, max_position_embeddings=128)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).cuda().eval()
+
+    def step(ids, pos):
+        return model(input_ids=ids, position_ids=pos, use_cache=False).logits[:, -1, :]
+
+    pool = ShapeBucketPool(step, [4, 8])
+    with torch.no_grad():
+        for n in (3, 5, 3, 7, 8):
+            ids = torch.randint(0, 100, (n, 1), device="cuda")
+            pos = torch.full((n, 1), 5, device="cuda")
+            torch.testing.assert_close(pool(ids, pos), step(ids, pos), rtol=1e-4, atol=1e-4)
+    assert not pool.unpadded and pool.captured_buckets == [4, 8]

@@ -42,6 +42,8 @@ Every method runs under the pool's lock.
 from __future__ import annotations
 
 import logging
+import threading
+import weakref
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +87,23 @@ class FastCall:
     outputs: tuple[Any, ...]  # the static outputs sliced to the batch
     tree: Any  # those outputs as the call returns them uncopied (None: rebuild each call)
     rebuild: Callable[[list[Any]], Any]
+    engine: Callable[[], Any]  # weak reference to the engine (a zero-copy call's fast path checks it)
+
+    def run_io(self, inputs: StaticInputs) -> Any:
+        """A zero-copy call on the fast path (None: take the checked path): the caller wrote the rows."""
+        engine = self.engine()
+        if engine is None:
+            return None
+        sw = config.switches
+        with engine.lock:
+            if engine.inputs is not inputs or engine.generation != self.generation or sw.validate or sw.debug \
+                    or (self.padded and inputs.dirty > self.batch):
+                return None
+            if inputs.dirty < self.batch:
+                inputs.dirty = self.batch
+            engine.order.after_previous()
+            self.replay()
+            return self.tree
 
     def result(self, copy: bool) -> Any:
         if copy:
@@ -102,6 +121,7 @@ class KeyState:
     stateful: bool = False
     rows: tuple[Rows | None, ...] | None = None  # where each output leaf carries the batch
     traced: bool = False  # a trace was taken (at one row, only its state and random findings count)
+    provisional: bool = False  # padded for one capture: its trace decides (the run read batch values on the host)
 
 
 def training_layers(model: Any) -> Fallback | None:
@@ -125,11 +145,12 @@ class BucketEngine:
     """The call machinery of one :class:`~.pool.ShapeBucketPool` (module docstring)."""
 
     def __init__(self, model_fn: Callable[..., Any], opts: PoolOptions, decider: Decider, *, what: str,
-                 verdict: RowVerdict | None = None) -> None:
+                 lock: Any = None, verdict: RowVerdict | None = None) -> None:
         self.model_fn = model_fn
         self.opts = opts
         self.decider = decider
         self.what = what
+        self.lock = lock if lock is not None else threading.RLock()  # the pool's: every call holds it
         self.padded_table = BucketTable(list(opts.buckets))
         self.exact_table = BucketTable(list(opts.buckets), exact=True)
         self.capturer = Capturer(warmup_iters=opts.warmup_iters, vram_cap=opts.vram_cap,
@@ -187,7 +208,7 @@ class BucketEngine:
         tree = layout.result(entry.outputs, batch, copy=False, cache=True)
         copies = tuple((dst, i) for dst, i, _ in inputs._plan(batch, bucket))
         self.fast[batch] = FastCall(self.generation, batch, batch < bucket, copies, entry.graph.replay, tuple(views),
-                                    tree if layout._immutable else None, layout._rebuild)
+                                    tree if layout._immutable else None, layout._rebuild, weakref.ref(self))
 
     def _call(self, inputs: StaticInputs, leaves: list[Any], batch: int, args: tuple[Any, ...],
               kwargs: dict[str, Any], copy: bool) -> Any:
@@ -271,6 +292,11 @@ class BucketEngine:
             pass  # the caller vouches; the poisoned replays still check each bucket
         elif verdict is None or not rows_known:
             return  # not decided yet: exact sizes until a trace with more than one row
+        elif verdict.host_read and self.graphs and not ks.provisional:
+            # the run branched on batch values, which a capture cannot do (a host read fails it): the graph's
+            # own trace decides, and the padded graph is then checked against this run
+            ks.provisional, ks.padded, ks.rows = True, True, self._output_rows(verdict, outputs, rows_seen)
+            return
         elif verdict.reason is not None:
             refusal = Fallback(verdict.reason, verdict.detail)
         ks.rows = self._output_rows(verdict, outputs, rows_seen)
@@ -278,7 +304,7 @@ class BucketEngine:
             refusal = Fallback(Reason.UNKNOWN_OUTPUTS, "which outputs carry the batch is unknown, so a padded result "
                                "cannot be sliced back; pass batched_outputs=")
         refusal = self.decider.agree_padding(len(self.keys), refusal)
-        ks.decided, ks.padded, ks.refusal = True, refusal is None, refusal
+        ks.decided, ks.padded, ks.refusal, ks.provisional = True, refusal is None, refusal, False
         self.generation += 1
         asked = (o.stateful and refusal is not None and refusal.reason == Reason.STATEFUL) or o.rows_independent is False
         if refusal is not None and self.opts.buckets[-1] > 1 and not asked:  # what the caller asked for is no news
@@ -334,8 +360,12 @@ class BucketEngine:
             if entry is not None:  # decided just now, and that bucket has its graph already
                 return self._answer_from_own(entry, ks, inputs, leaves, batch, own, args, kwargs, copy)
             inputs.stage(leaves, batch, bucket)
-        entry, captured = self._capture(ks, inputs, leaves, bucket, key, trace=trace and own is MISSING,
+        entry, captured = self._capture(ks, inputs, leaves, bucket, key,
+                                        trace=(trace and own is MISSING) or ks.provisional,
                                         warmups=self.opts.warmup_iters - 1)
+        if ks.provisional:  # the capture's trace was not taken (it failed): nothing proves padding
+            self._refuse(ks, Fallback(Reason.UNPROVEN, "the run read batch values on the host and the capture "
+                                      "that would show the graph's own rows failed"))
         if captured.fallback is not None:
             return self._after_failure(entry, captured, ks, key, own, args, kwargs, copy)
         if own is not MISSING:
@@ -441,7 +471,7 @@ class BucketEngine:
     def _answer_from_own(self, entry: Entry, ks: KeyState, inputs: StaticInputs, leaves: list[Any], batch: int,
                          own: Any, args: tuple[Any, ...], kwargs: dict[str, Any], copy: bool) -> Any:
         """A first call's own run is its result; a padded bucket is checked against it (no extra run)."""
-        if entry.graph is not None and batch < entry.size and not ks.stateful and not entry.confirmed:
+        if entry.graph is not None and batch < entry.size and ks.padded and not ks.stateful and not entry.confirmed:
             inputs.stage(leaves, batch, entry.size)
             self._confirm(entry, ks, inputs, batch, own)
         if entry.graph is None or entry.layout is None:
@@ -473,7 +503,7 @@ class BucketEngine:
         return False
 
     def _refuse(self, ks: KeyState, why: Fallback) -> None:
-        ks.decided, ks.padded, ks.refusal = True, False, why
+        ks.decided, ks.padded, ks.refusal, ks.provisional = True, False, why, False
         self.generation += 1
         stats.record_fallback(why)
 

@@ -154,9 +154,9 @@ class ShapeBucketPool:
         self.options = opts
         self._what = what
         self._decider: Decider = decider_for(opts.process_group, what)
-        self._engine = BucketEngine(model_fn, opts, self._decider, what=what, verdict=verdict)
-        self._classify = functools.partial(classify, batch_dim=opts.batch_dim, static_args=opts.static_args)
         self._lock = threading.RLock()
+        self._engine = BucketEngine(model_fn, opts, self._decider, what=what, lock=self._lock, verdict=verdict)
+        self._classify = functools.partial(classify, batch_dim=opts.batch_dim, static_args=opts.static_args)
         self._quick: QuickPlan | None = None  # the hot path's flattening, for plain positional layouts
         self._epoch = [0]  # debug mode: calls so far; an output view from an earlier one is stale
 
@@ -306,19 +306,8 @@ class ShapeBucketPool:
             return StaticIO(self._run_io, inputs, batch_size)
 
     def _run_io(self, io: StaticIO) -> Any:
-        fast, switches = io.fast, config.switches
-        if fast is not None and not (switches.validate or switches.debug):
-            with self._lock:
-                engine = self._engine
-                inputs = engine.inputs
-                # still this pool's buffers and decisions, and the padding still clean
-                if inputs is io.inputs and fast.generation == engine.generation and not (
-                        fast.padded and inputs.dirty > fast.batch):
-                    if inputs.dirty < fast.batch:
-                        inputs.dirty = fast.batch  # the caller wrote its rows
-                    engine.order.after_previous()
-                    fast.replay()
-                    return fast.tree
+        """A zero-copy call off its fast path (:meth:`~.engine.FastCall.run_io`): the checked call on the views."""
+        switches = config.switches
         with self._lock:
             engine = self._engine
             if engine.inputs is not io.inputs:
@@ -457,7 +446,9 @@ class AgreedShapeBucketPool(ShapeBucketPool):
 
     def _run_io(self, io: StaticIO) -> Any:
         self._decider.agree_batch(io.batch_size, exact=True)  # zero-copy views have fixed rows: every rank alike
-        return super()._run_io(io)
+        out = super()._run_io(io)
+        io.fast = None  # every zero-copy call of an agreed pool starts with its round
+        return out
 
 
 def _pad_rows(layout: CallLayout, leaves: list[Any], rows: int, *, batch_dim: int,

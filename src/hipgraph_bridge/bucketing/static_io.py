@@ -58,6 +58,11 @@ class StaticIO:
         Cost once the bucket is captured and checked: a lock, a stream-handle
         comparison and the replay (about one launch of host time).
         """
+        fast = self.fast
+        if fast is not None:
+            out = fast.run_io(self.inputs)
+            if out is not None:
+                return out
         return self._run(self)
 
     __call__ = run

@@ -112,6 +112,7 @@ class RowVerdict:
     state_writes: tuple[str, ...] = ()
     input_writes: tuple[str, ...] = ()
     ops: int = 0
+    host_read: bool = False  # unproven only because batch values were read on the host (see the pool's engine)
 
     @property
     def independent(self) -> bool:
@@ -388,10 +389,12 @@ class RowTracer(RowDispatchMode):
         if self.random:
             return RowVerdict(Reason.RANDOM_OPS, f"{self.random} draws random numbers: padding would change "
                               "which numbers each row gets", **common)
+        if mixed is not None and mixed.proven:
+            return RowVerdict(Reason.ROWS_COUPLED, mixed.why, **common)
         if self.host_read:
-            return RowVerdict(Reason.UNPROVEN, self.host_read, **common)
+            return RowVerdict(Reason.UNPROVEN, self.host_read, host_read=mixed is None, **common)
         if mixed is not None:
-            return RowVerdict(Reason.ROWS_COUPLED if mixed.proven else Reason.UNPROVEN, mixed.why, **common)
+            return RowVerdict(Reason.UNPROVEN, mixed.why, **common)
         return RowVerdict(None, "", **common)
 
 
