@@ -390,9 +390,7 @@ INDEPENDENT = [
     # wrong today
     _case(mha_batch_first_eval, (R0,)),
     _case(encoder_layer_batch_first_eval, (R0,)),
-    _case(pick_per_row_by_arange, (R0,), marks=_bug(
-        "_index: any index tensor on the batch dim is ROWS_COUPLED, also arange(B) paired with a per-row index "
-        "(x[arange(B), idx], last-token pooling)")),
+    _case(pick_per_row_by_arange, (R0,)),
     _case(zero_rows_by_mask, (R0,)),
     _case(row_mask_fill_square, (R0,)),
     _case(zeros_like_output, (R0, R0, R0)),

@@ -56,13 +56,16 @@ class Rows(NamedTuple):
 
     ``shaped``: only the size follows the batch (``zeros_like(x)``, ``torch.zeros(x.shape[0], 3)``): the
     values hold no row, but an output like it must still be sliced back. Where it meets a real
-    row label in another dim, the size was a coincidence and the real one wins.
+    row label in another dim, the size was a coincidence and the real one wins. ``iota``: the
+    values are the row indices themselves (``torch.arange(B)``, through views), so ``x[iota, j]``
+    reads row ``i`` into row ``i`` (transformers' attention masks index the batch this way).
     """
 
     dim: int
     inner: int = 1
     outer: int = 1
     shaped: bool = False
+    iota: bool = False  # ``arange(rows)`` through views: indexing the batch with it picks each row itself
 
 
 class Mixed:
@@ -258,13 +261,15 @@ class RowTracer(RowDispatchMode):
         factory = func.overloadpacket in _NEW or not any(isinstance(a, torch.Tensor) for a in args)
         for t in _tensors(out):
             if self._get(t) is None:
-                self._put(t, self._sized(t) if factory else None, _CREATED, None)
+                self._put(t, self._sized(t, func, args) if factory else None, _CREATED, None)
 
-    def _sized(self, t: torch.Tensor) -> Label:
+    def _sized(self, t: torch.Tensor, func: Any = None, args: Sequence[Any] = ()) -> Label:
         if self.rows < 2:
             return None
         dims = [d for d, n in enumerate(t.shape) if n == self.rows]
-        return Rows(dims[0], shaped=True) if len(dims) == 1 else None
+        if len(dims) != 1:
+            return None
+        return Rows(dims[0], shaped=True, iota=func is not None and _is_iota(func, args, t))
 
     def _unknown(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any, why: str) -> None:
         label: Label = None
@@ -389,12 +394,10 @@ class RowTracer(RowDispatchMode):
         if self.random:
             return RowVerdict(Reason.RANDOM_OPS, f"{self.random} draws random numbers: padding would change "
                               "which numbers each row gets", **common)
-        if mixed is not None and mixed.proven:
-            return RowVerdict(Reason.ROWS_COUPLED, mixed.why, **common)
-        if self.host_read:
+        if self.host_read:  # first: what else the run did depends on the branch the data chose
             return RowVerdict(Reason.UNPROVEN, self.host_read, host_read=mixed is None, **common)
         if mixed is not None:
-            return RowVerdict(Reason.UNPROVEN, mixed.why, **common)
+            return RowVerdict(Reason.ROWS_COUPLED if mixed.proven else Reason.UNPROVEN, mixed.why, **common)
         return RowVerdict(None, "", **common)
 
 
@@ -415,6 +418,18 @@ class RowTracer(RowDispatchMode):
                 continue
             return f"the model keeps a tensor of shape {tuple(t.shape)} it made from the batch (a cache?)"
         return ""
+
+
+def _is_iota(func: Any, args: Sequence[Any], t: torch.Tensor) -> bool:
+    """Whether ``func(*args)`` made ``0, 1, ..., n-1`` (``arange`` from 0 by 1, one dimension)."""
+    if func.overloadpacket is not _ARANGE or t.dim() != 1:
+        return False
+    overload = str(func).rsplit(".", 1)[-1]
+    if overload in ("default", "out"):
+        return True
+    start = args[0] if args else 0
+    step = args[2] if overload.startswith("start_step") and len(args) > 2 else 1
+    return start == 0 and step == 1
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:
@@ -446,7 +461,7 @@ def _shift(lab: Label, in_ndim: int, out: torch.Tensor, in_size: int | None = No
     d = lab.dim + out.dim() - in_ndim
     if d < 0 or (in_size is not None and in_size != out.shape[d]):
         return Mixed("the batch dimension is broadcast")
-    return Rows(d, lab.inner, lab.outer)
+    return lab._replace(dim=d)
 
 
 def _pointwise(tr: RowTracer, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> list[Label]:
@@ -461,6 +476,8 @@ def _pointwise(tr: RowTracer, func: Any, args: Sequence[Any], kwargs: dict[str, 
                 xl = tr.label(x)
                 if xl is not None:
                     lab = join(lab, _shift(xl, x.dim(), ref, x.shape[xl.dim] if isinstance(xl, Rows) else None))
+    if isinstance(lab, Rows) and lab.iota:
+        lab = lab._replace(iota=False)  # arange(B) + 1 no longer names each row itself
     return [lab] * len(outs)
 
 
@@ -507,7 +524,8 @@ def _reshape_label(lab: Label, in_shape: Sequence[int], out_shape: Sequence[int]
     for e in range(len(out_shape) - 1, -1, -1):
         hi = suffix * out_shape[e]
         if q % suffix == 0 and hi % span == 0:
-            return Rows(e, q // suffix, hi // span)
+            inner, outer = q // suffix, hi // span
+            return Rows(e, inner, outer, lab.shaped, lab.iota and inner == outer == 1)
         if suffix > q:
             break
         suffix = hi
@@ -917,10 +935,15 @@ def _index(tr: RowTracer, func: Any, args: Sequence[Any], kwargs: dict[str, Any]
     out_lab: Label = None
     if isinstance(lab, Rows):
         if lab.dim in adv:
-            return [Mixed("indexes the batch dimension with a tensor")]
-        kept_before = sum(1 for j in range(lab.dim) if j not in adv)
-        at = kept_before if contiguous and lab.dim < adv[0] else kept_before + nb
-        out_lab = lab._replace(dim=at)
+            ix = indices[lab.dim]
+            il = tr.label(ix)
+            if not (isinstance(il, Rows) and il.iota and lab.inner == 1 and lab.outer == 1):
+                return [Mixed("indexes the batch dimension with a tensor")]
+            out_lab = Rows(start + il.dim + nb - ix.dim())  # x[arange(B), ...]: row i reads row i
+        else:
+            kept_before = sum(1 for j in range(lab.dim) if j not in adv)
+            at = kept_before if contiguous and lab.dim < adv[0] else kept_before + nb
+            out_lab = lab._replace(dim=at)
     for _, ix in given:
         il = tr.label(ix)
         if isinstance(il, Mixed):
@@ -1069,6 +1092,7 @@ def _op(name: str) -> Any:
 
 _RULES: dict[Any, Rule] = {}
 _ITEM = _op("aten::_local_scalar_dense.default")
+_ARANGE = _op("aten::arange")
 _PLANS: dict[Any, tuple[Rule | None, bool, tuple[tuple[int, ...], tuple[str, ...]], bool]] = {}
 _FRESH = frozenset(p for p in (_op("aten::lift_fresh"), _op("aten::lift_fresh_copy"), _op("aten::lift"))
                    if p is not None)
