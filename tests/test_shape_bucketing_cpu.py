@@ -476,3 +476,13 @@ def test_capture_all_without_a_gpu_reports_nothing_captured():
     pool = ShapeBucketPool(lambda x: x * 2, [2, 4], progress=False)
     report = pool.capture_all(torch.ones(2, 3))
     assert report["buckets"] == 2 and report["captured"] == 0 and pool.captured_buckets == []
+
+
+def test_the_bucket_table_holds_the_buckets_only_whatever_the_largest():
+    huge = ShapeBucketPool(lambda x: x, [1, 2**31])
+    assert huge.bucket_for(2) == 2**31 and huge.bucket_for(2**31) == 2**31 and huge.bucket_for(2**31 + 1) is None
+    wide = ShapeBucketPool(lambda x: x, max_batch_size=2**31)
+    assert len(wide.buckets) < 100 and wide.buckets[-1] == 2**31
+    assert wide.bucket_for(300) == 320 and wide.bucket_for(2**31 - 5) == 2**31
+    table = BucketTable([4, 2**40], exact=True)
+    assert table[7] == 7 and table.bucket_for(2**40) == 2**40 and table.__slots__  # no per-size list
