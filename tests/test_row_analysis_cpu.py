@@ -474,6 +474,20 @@ def _writes_parameter() -> Call:
     return Call(f, (_x(5, 4),))
 
 
+class _LazyCache(nn.Module):
+    """Makes its cache, sized by the batch, on the first call and keeps it: state from then on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cache is None:
+            self.cache = torch.zeros(x.shape[0], x.shape[1])
+        self.cache[:, :1] = x[:, :1]
+        return x + 1
+
+
 def _host_gate(x: torch.Tensor) -> torch.Tensor:
     return x * 2 if x.min() > 0 else x
 
@@ -587,6 +601,7 @@ REFUSED = _params(
     ("writes_static_input", _writes_static_input, Reason.STATEFUL, "call's inputs"),
     ("out_into_closure", _writes_out_into_closure, Reason.STATEFUL, "did not create"),
     ("writes_parameter", _writes_parameter, Reason.STATEFUL, "did not create"),
+    ("cache_made_on_the_first_call", lambda: Call(_LazyCache(), (X,)), Reason.STATEFUL, "keeps a tensor"),
     # wrong today
     ("equal_gate", lambda: Call(_equal_gate, (X,)), Reason.UNPROVEN, "on the host"),
     ("allclose_gate", lambda: Call(_allclose_gate, (X,)), Reason.UNPROVEN, "on the host"),

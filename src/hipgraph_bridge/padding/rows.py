@@ -402,8 +402,9 @@ class RowTracer(RowDispatchMode):
 
 
     def _kept(self, outputs: Any) -> str:
-        """A tensor the run made from (or sized by) the batch that outlives the call without being one of its
-        outputs: state the model keeps (a cache it created on this call). Called after the run returned."""
+        """A tensor the run allocated at the batch's size (a factory, not a result of the batch's values) that
+        outlives the call without being one of its outputs: state the model keeps (a cache it created on this
+        call). Results of computations are not counted: a collective's work object may hold them a while."""
         out_ids = {id(t) for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor)}
         for t in pytree.tree_leaves(outputs):  # an output that is a view keeps the tensor it views alive
             e = self._get(t) if isinstance(t, torch.Tensor) else None
@@ -411,7 +412,7 @@ class RowTracer(RowDispatchMode):
                 out_ids.add(id(e[3]()))
         for ref, label, kind, root in list(self._info.values()):
             t = ref()
-            if t is None or kind != _CREATED or label is None or id(t) in out_ids:
+            if t is None or kind != _CREATED or not (isinstance(label, Rows) and label.shaped) or id(t) in out_ids:
                 continue
             r = root() if root is not None else None
             if r is not None and id(r) in out_ids:
