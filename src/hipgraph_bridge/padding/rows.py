@@ -151,7 +151,7 @@ def _arg(args: Sequence[Any], kwargs: dict[str, Any], pos: int, name: str, defau
     return kwargs.get(name, default)
 
 
-_CREATED, _INPUT, _EXTERNAL = 0, 1, 2  # what a tensor is to the traced call
+_CREATED, _INPUT, _EXTERNAL, _MADE = 0, 1, 2, 3  # what a tensor is to the traced call (_MADE: by a factory)
 _Entry = tuple  # (weakref to the tensor, label, kind, weakref to the tensor it views or None)
 
 
@@ -261,7 +261,7 @@ class RowTracer(RowDispatchMode):
         factory = func.overloadpacket in _NEW or not any(isinstance(a, torch.Tensor) for a in args)
         for t in _tensors(out):
             if self._get(t) is None:
-                self._put(t, self._sized(t, func, args) if factory else None, _CREATED, None)
+                self._put(t, self._sized(t, func, args) if factory else None, _MADE if factory else _CREATED, None)
 
     def _sized(self, t: torch.Tensor, func: Any = None, args: Sequence[Any] = ()) -> Label:
         if self.rows < 2:
@@ -290,7 +290,8 @@ class RowTracer(RowDispatchMode):
                 self._new_view(t, view_of, lab)
             else:
                 old = self._get(t)
-                self._put(t, lab, _CREATED if old is None else old[2], None if old is None else old[3])
+                made = _MADE if func.overloadpacket in _MAKERS else _CREATED
+                self._put(t, lab, made if old is None else old[2], None if old is None else old[3])
         for w in written:
             new = next((lab for t, lab in zip(outs, labels) if t is w), None)
             if new is None and not any(t is w for t in outs):  # written, not returned (batch norm's running stats)
@@ -412,7 +413,7 @@ class RowTracer(RowDispatchMode):
                 out_ids.add(id(e[3]()))
         for ref, label, kind, root in list(self._info.values()):
             t = ref()
-            if t is None or kind != _CREATED or not (isinstance(label, Rows) and label.shaped) or id(t) in out_ids:
+            if t is None or kind != _MADE or root is not None or label is None or id(t) in out_ids:
                 continue
             r = root() if root is not None else None
             if r is not None and id(r) in out_ids:
@@ -1100,6 +1101,9 @@ _FRESH = frozenset(p for p in (_op("aten::lift_fresh"), _op("aten::lift_fresh_co
 # factories that take a tensor only for its dtype and device: their size may be the batch's
 _NEW = frozenset(p for p in (_op(f"aten::{n}") for n in ("new_zeros", "new_ones", "new_empty", "new_full",
                                                          "new_empty_strided")) if p is not None)
+# ops that allocate a tensor for the caller to fill (a cache a model keeps is made by one of them)
+_MAKERS = _NEW | frozenset(p for p in (_op(f"aten::{n}") for n in ("zeros_like", "ones_like", "empty_like",
+                                                                   "full_like")) if p is not None)
 
 
 def _plan(func: Any) -> tuple[Rule | None, bool, tuple[tuple[int, ...], tuple[str, ...]], bool]:
