@@ -102,8 +102,9 @@ def test_a_bucket_is_captured_checked_and_then_replayed(graphs):
         x = torch.randn(n, 4)
         torch.testing.assert_close(pool(x), torch.tanh(x) * 2)
     # first call: its own 3 rows (traced), bucket 4's capture, the check's replays (the stand-in graph reruns
-    # the model at 4 rows); later every run is a replay of bucket 4 or 8 but the 8-row call's own run
-    assert runs[:2] == [3, 4] and set(runs[2:]) == {4, 8}
+    # the model at 4 rows); later every run is a replay of bucket 4 or 8, but the 8-row call's own run and
+    # the 5-row call's: bucket 8's first padded call is checked against the rows it asked for
+    assert runs[:2] == [3, 4] and set(runs[2:]) == {4, 5, 8} and runs.count(5) == 1
     engine = pool._engine
     assert all(e.confirmed for e in engine.entries.values() if e.size == 4) and not pool.unpadded
     assert set(engine.fast) >= {3, 8}  # checked sizes take the fast call

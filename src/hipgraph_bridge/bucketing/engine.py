@@ -28,10 +28,13 @@ A call of ``n`` rows:
       stops padding for the key (reason ``padding_changes_results``).
 
    So the model's Python runs ``warmup_iters + 1`` times on a bucket's first
-   call (its own run, the warm-ups, the capture), once with ``warmup_iters=0``
-   (the capture, then a replay answers), at most twice for a model that
-   writes state (its run, and the capture, which runs no kernel), and never
-   on a replay. A check never runs it.
+   call (its own run, the warm-ups, the capture), twice for a model that writes
+   state (its run, and the capture, which executes no kernel), and never on a
+   replay. With ``warmup_iters=0`` a call of exactly the bucket's size runs it
+   once (the capture; a replay answers), a padded one twice (the capture, and
+   its own run, the check's reference). A bucket first captured ahead of time
+   (``capture_all``) runs it once on its first padded call: its own run, which
+   answers it and is the check's reference. A check never runs it.
 4. Without a GPU, ``simulate_padding`` runs the same pipeline eagerly: the
    model on the padded buffers where a replay would be (one run per call),
    the trace deciding padding as above; the poisoned replays need a graph.
@@ -71,7 +74,10 @@ from ..tree import clone_tree
 from ..validation import checked_against_eager
 from .options import PoolOptions
 
-__all__ = ["BucketEngine", "KeyState", "training_layers"]
+__all__ = ["BucketEngine", "KeyState", "FastCall", "training_layers"]
+
+_UNKNOWN_OUTPUTS = Fallback(Reason.UNKNOWN_OUTPUTS, "which outputs carry the batch is unknown, so a padded result "
+                            "cannot be sliced back; pass batched_outputs=")
 
 
 @dataclass(frozen=True)
@@ -92,7 +98,7 @@ class FastCall:
     def run_io(self, inputs: StaticInputs) -> Any:
         """A zero-copy call on the fast path (None: take the checked path): the caller wrote the rows."""
         engine = self.engine()
-        if engine is None:
+        if engine is None or self.tree is None:
             return None
         sw = config.switches
         with engine.lock:
@@ -189,11 +195,11 @@ class BucketEngine:
                 fast.replay()
                 return fast.result(copy)
         out = self._call(inputs, leaves, batch, args, kwargs, copy)
-        if not inputs.layout.has_consts and batch not in self.fast:
-            self._remember(inputs, batch, out, copy)
+        if not inputs.layout.has_consts and (fast is None or fast.generation != self.generation):
+            self._remember(inputs, batch)
         return out
 
-    def _remember(self, inputs: StaticInputs, batch: int, out: Any, copy: bool) -> None:
+    def _remember(self, inputs: StaticInputs, batch: int) -> None:
         """Keep the fast call of ``batch`` once its graph answered a call (checked, when padded)."""
         ks = self.keys.get(())
         if ks is None or not self.graphs or batch > self.opts.buckets[-1]:
@@ -206,9 +212,9 @@ class BucketEngine:
         layout = entry.layout
         views = layout.real(entry.outputs, batch)
         tree = layout.result(entry.outputs, batch, copy=False, cache=True)
-        copies = tuple((dst, i) for dst, i, _ in inputs._plan(batch, bucket))
+        copies = tuple((dst, i) for dst, i, _ in inputs.plan(batch, bucket))
         self.fast[batch] = FastCall(self.generation, batch, batch < bucket, copies, entry.graph.replay, tuple(views),
-                                    tree if layout._immutable else None, layout._rebuild, weakref.ref(self))
+                                    tree if layout.immutable else None, layout.rebuild, weakref.ref(self))
 
     def _call(self, inputs: StaticInputs, leaves: list[Any], batch: int, args: tuple[Any, ...],
               kwargs: dict[str, Any], copy: bool) -> Any:
@@ -234,9 +240,10 @@ class BucketEngine:
             return self._first_call(ks, inputs, leaves, batch, bucket, key, args, kwargs, copy)
         if entry.graph is None:
             return self._validated(self._simulated(entry, ks, inputs, leaves, batch, copy), ks, args, kwargs)
+        if batch < bucket and not entry.confirmed:  # the bucket's first padded call: its own run answers it
+            own = self._own_run(ks, inputs, leaves, batch, key, trace=False)
+            return self._answer_from_own(entry, ks, inputs, leaves, batch, own, args, kwargs, copy)
         entry.graph.replay()
-        if batch < bucket and not entry.confirmed and not self._confirm(entry, ks, inputs, batch, None):
-            return self.eager(args, kwargs)  # the padded result is not trusted: this call runs on its own rows
         assert entry.layout is not None and entry.outputs is not None
         return self._validated(entry.layout.result(entry.outputs, batch, copy=copy, cache=True), ks, args, kwargs)
 
@@ -300,15 +307,21 @@ class BucketEngine:
         elif verdict.reason is not None:
             refusal = Fallback(verdict.reason, verdict.detail)
         ks.rows = self._output_rows(verdict, outputs, rows_seen)
-        if refusal is None and ks.rows is None:
-            refusal = Fallback(Reason.UNKNOWN_OUTPUTS, "which outputs carry the batch is unknown, so a padded result "
-                               "cannot be sliced back; pass batched_outputs=")
+        if refusal is None and ks.rows is None and (verdict is not None or outputs is not None):
+            refusal = _UNKNOWN_OUTPUTS
         refusal = self.decider.agree_padding(len(self.keys), refusal)
         ks.decided, ks.padded, ks.refusal, ks.provisional = True, refusal is None, refusal, False
         self.generation += 1
         asked = (o.stateful and refusal is not None and refusal.reason == Reason.STATEFUL) or o.rows_independent is False
         if refusal is not None and self.opts.buckets[-1] > 1 and not asked:  # what the caller asked for is no news
             stats.record_fallback(refusal)
+
+    def _tracer(self, inputs: StaticInputs, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int) -> RowTracer:
+        """A row tracer for a run on these buffer views (``rows`` of them): batched and static inputs labelled."""
+        views = pytree.tree_leaves((args, kwargs))
+        kinds = inputs.layout.kinds
+        return RowTracer([(t, self.opts.batch_dim) for t, kd in zip(views, kinds) if kd == "batched"],
+                         [t for t, kd in zip(views, kinds) if kd == "static"], rows=rows, names=self._state_names())
 
     def _state_names(self) -> dict[int, str]:
         """The model's parameters and buffers by ``id``, so a trace can name the state a model writes."""
@@ -346,7 +359,7 @@ class BucketEngine:
     def _first_call(self, ks: KeyState, inputs: StaticInputs, leaves: list[Any], batch: int, bucket: int,
                     key: tuple[Hashable, ...], args: tuple[Any, ...], kwargs: dict[str, Any], copy: bool) -> Any:
         """Capture ``bucket`` for ``key`` on its first call and answer the call (module docstring, step 3)."""
-        trace = not ks.decided and not (ks.traced and ks.stateful)
+        trace = not ks.decided
         if self.simulate and not trace:
             return self._simulated_first(ks, inputs, leaves, batch, bucket, key, args, kwargs, copy)
         own: Any = MISSING
@@ -362,18 +375,18 @@ class BucketEngine:
             inputs.stage(leaves, batch, bucket)
         entry, captured = self._capture(ks, inputs, leaves, bucket, key,
                                         trace=(trace and own is MISSING) or ks.provisional,
-                                        warmups=self.opts.warmup_iters - 1)
+                                        warmups=0 if ks.stateful else self.opts.warmup_iters - 1)
         if ks.provisional:  # the capture's trace was not taken (it failed): nothing proves padding
             self._refuse(ks, Fallback(Reason.UNPROVEN, "the run read batch values on the host and the capture "
                                       "that would show the graph's own rows failed"))
         if captured.fallback is not None:
             return self._after_failure(entry, captured, ks, key, own, args, kwargs, copy)
+        if own is MISSING and batch < bucket and ks.padded:  # warmup_iters=0: the padding check needs a reference
+            own = self._own_run(ks, inputs, leaves, batch, key, trace=False)
         if own is not MISSING:
             return self._answer_from_own(entry, ks, inputs, leaves, batch, own, args, kwargs, copy)
         assert entry.graph is not None and entry.layout is not None and entry.outputs is not None
         entry.graph.replay()
-        if batch < bucket and not self._confirm(entry, ks, inputs, batch, None):
-            return self.eager(args, kwargs)
         return self._validated(entry.layout.result(entry.outputs, batch, copy=copy, cache=True), ks, args, kwargs)
 
     def _own_run(self, ks: KeyState, inputs: StaticInputs, leaves: list[Any], batch: int,
@@ -385,12 +398,7 @@ class BucketEngine:
         """
         a, k = inputs.bucket_args(batch, leaves)
         fn = lambda: self.model_fn(*a, **k)  # noqa: E731
-        tracer = None
-        if trace:
-            views = pytree.tree_leaves((a, k))
-            batched = [(t, self.opts.batch_dim) for t, kind in zip(views, inputs.layout.kinds) if kind == "batched"]
-            statics = [t for t, kind in zip(views, inputs.layout.kinds) if kind == "static"]
-            tracer = RowTracer(batched, statics, rows=batch, names=self._state_names())
+        tracer = self._tracer(inputs, a, k, batch) if trace else None
         try:
             if self.graphs:
                 out = self.capturer.run(fn, tracer=tracer)
@@ -407,8 +415,14 @@ class BucketEngine:
         if tracer is not None:
             self._decide(ks, tracer.verdict(out), rows_known=batch > 1, rows_seen=batch, outputs=out)
         elif ks.rows is None and ks.decided:
-            ks.rows = self._output_rows(None, out, batch)
+            self._rows_from(ks, out, batch)
         return out
+
+    def _rows_from(self, ks: KeyState, outputs: Any, rows_seen: int) -> None:
+        """Where a decided key's outputs carry the batch, from its first outputs (``batched_outputs`` given)."""
+        ks.rows = self._output_rows(None, outputs, rows_seen)
+        if ks.rows is None and ks.padded:
+            self._refuse(ks, _UNKNOWN_OUTPUTS)
 
     def _capture(self, ks: KeyState, inputs: StaticInputs, leaves: list[Any], bucket: int,
                  key: tuple[Hashable, ...], *, trace: bool, warmups: int) -> tuple[Entry, Captured]:
@@ -422,12 +436,8 @@ class BucketEngine:
         if bucket not in self.opts.buckets:
             log_once(("exact_bucket", id(self), bucket), logging.DEBUG, "gfxgraph: %s: batch %d is not a bucket "
                      "and the model is not padded: it gets a graph of exactly %d rows", self.what, bucket, bucket)
-        tracer = None
-        if trace:
-            views = pytree.tree_leaves((a, k))
-            tracer = RowTracer([(t, self.opts.batch_dim) for t, kd in zip(views, inputs.layout.kinds)
-                                if kd == "batched"], [t for t, kd in zip(views, inputs.layout.kinds) if kd == "static"],
-                               rows=bucket, names=self._state_names())
+        tracer = self._tracer(inputs, a, k, bucket) if trace else None
+        if tracer is not None:
             run_traced = run
 
             def run() -> Any:  # noqa: F811 - the capture run, traced
@@ -435,11 +445,13 @@ class BucketEngine:
                     return run_traced()
         captured = self.decider.capture(self.capturer if self.graphs else None, run, what, bucket=bucket, key=key,
                                         warm=warm, stateful=ks.stateful)
-        if tracer is not None and captured.outputs is not None:
+        if tracer is not None and captured.fallback is None:
             self._decide(ks, tracer.verdict(captured.outputs), rows_known=bucket > 1, rows_seen=bucket,
                          outputs=captured.outputs)
-        if captured.outputs is not None:
-            rows = ks.rows if ks.rows is not None else self._output_rows(None, captured.outputs, bucket)
+        if captured.fallback is None:
+            if ks.rows is None and ks.decided:
+                self._rows_from(ks, captured.outputs, bucket)
+            rows = ks.rows
             first, spec = pytree.tree_flatten(captured.outputs)
             entry.layout = OutputLayout(bucket, spec, rows if rows is not None and len(rows) == len(first)
                                         else (None,) * len(first))
@@ -489,7 +501,8 @@ class BucketEngine:
 
     # ------------------------------------------------------------------ the padding check
     def _confirm(self, entry: Entry, ks: KeyState, inputs: StaticInputs, batch: int, reference: Any) -> bool:
-        """A padded bucket's check (:mod:`~hipgraph_bridge.padding.confirm`); False refuses padding for the key."""
+        """A padded bucket's check (:mod:`~hipgraph_bridge.padding.confirm`) against the call's own unpadded
+        run (``reference``); False refuses padding for the key."""
         assert entry.graph is not None and entry.layout is not None and entry.outputs is not None
         layout, outputs, graph = entry.layout, entry.outputs, entry.graph
         why = self.decider.confirm(entry.size, lambda: confirm_padding(
@@ -545,7 +558,7 @@ class BucketEngine:
         ks = self.keys.get(key)
         if ks is None:
             ks = self.keys[key] = self._new_key()
-        trace = not ks.decided and not (ks.traced and ks.stateful)
+        trace = not ks.decided
         entry, captured = self._capture(ks, inputs, leaves, bucket, key, trace=trace, warmups=self.opts.warmup_iters)
         if captured.fallback is not None:
             logger.warning("gfxgraph: %s: %s runs eagerly: %s", self.what, f"bucket {bucket}", captured.fallback)

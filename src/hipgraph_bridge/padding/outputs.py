@@ -39,12 +39,12 @@ class OutputLayout:
         # A leaf or a flat tuple of leaves (the common outputs) is rebuilt without pytree's walk.
         n = self.spec.num_leaves
         if self.spec == pytree.tree_structure(0):
-            self._rebuild: Callable[[list[Any]], Any] = lambda leaves: leaves[0]
+            self.rebuild: Callable[[list[Any]], Any] = lambda leaves: leaves[0]
         elif self.spec == pytree.tree_structure(tuple(range(n))):
-            self._rebuild = tuple
+            self.rebuild = tuple
         else:
-            self._rebuild = functools.partial(_unflatten, spec=self.spec)
-        self._immutable = not isinstance(self._rebuild, functools.partial)  # a cached tree cannot be mutated
+            self.rebuild = functools.partial(_unflatten, spec=self.spec)
+        self.immutable = not isinstance(self.rebuild, functools.partial)  # a cached tree cannot be mutated
 
     def real(self, leaves: list[Any], batch: int) -> list[Any]:
         """The leaves narrowed to the rows of a call of ``batch`` rows (views)."""
@@ -64,13 +64,13 @@ class OutputLayout:
         cached = self._views.get(batch) if cache else None
         if cached is None:
             sliced = self.real(leaves, batch)
-            cached = (sliced, self._rebuild(sliced) if self._immutable else None)
+            cached = (sliced, self.rebuild(sliced) if self.immutable else None)
             if cache:
                 self._views[batch] = cached
         sliced, tree = cached
         if copy:
-            return self._rebuild([o.clone() if isinstance(o, torch.Tensor) else o for o in sliced])
-        return tree if tree is not None else self._rebuild(sliced)
+            return self.rebuild([o.clone() if isinstance(o, torch.Tensor) else o for o in sliced])
+        return tree if tree is not None else self.rebuild(sliced)
 
 
 def _unflatten(leaves: list[Any], *, spec: Any) -> Any:

@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from .._torch_compat import tensor_version
 from ..graph.buckets import BucketTable
 from .layout import BATCHED, STATIC, CallLayout
 
@@ -76,7 +75,7 @@ class StaticInputs:
     def batched_buffers(self) -> list[torch.Tensor]:
         return [b for b, k in zip(self.buffers, self.layout.kinds) if k == BATCHED]
 
-    def _plan(self, batch: int, bucket: int) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
+    def plan(self, batch: int, bucket: int) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
         """(destination view, leaf index, padding view) per tensor, for ``batch`` rows in ``bucket``."""
         plan = self._plans.get((batch, bucket))
         if plan is None:
@@ -99,7 +98,7 @@ class StaticInputs:
         """
         dirty, bd = self.dirty, self.batch_dim
         fill = dirty > batch and self.policy is FillPolicy.ALWAYS
-        for dst, i, pad in self._plan(batch, bucket):
+        for dst, i, pad in self.plan(batch, bucket):
             src = leaves[i]
             if src is not dst:
                 dst.copy_(src)
@@ -114,10 +113,6 @@ class StaticInputs:
         else:
             self.dirty = batch
 
-    def versions(self) -> tuple[int, ...]:
-        """The buffers' version counters: they move when the model writes its inputs in place."""
-        return tuple(tensor_version(b) for b in self.buffers if b is not None)
-
     def views(self, batch: int, bucket: int) -> list[Any]:
         """Per leaf, the buffer view a call of ``batch`` rows reads (None for constants).
 
@@ -125,7 +120,7 @@ class StaticInputs:
         these views is the zero-copy way to give a bucket its inputs.
         """
         views: list[Any] = [None] * len(self.buffers)
-        for dst, i, _ in self._plan(batch, bucket):
+        for dst, i, _ in self.plan(batch, bucket):
             views[i] = dst
         return views
 
@@ -233,7 +228,6 @@ def poison_values(region: PadRegion, pad_value: float | int | bool) -> list[floa
     if t.is_floating_point() or t.is_complex():
         big = min(1.0e4, torch.finfo(t.dtype).max / 8) if t.is_floating_point() else 1.0e4
         return [math.nan, big]
-    if region.real.numel() == 0:
-        return []
-    value = region.real.reshape(-1)[0].item()
-    return [] if value == pad_value else [value]
+    real = region.real.reshape(-1)
+    other = real[real != pad_value]  # a value of the call's own rows that is not the padding's
+    return [other[0].item()] if other.numel() else []
