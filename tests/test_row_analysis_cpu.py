@@ -544,6 +544,31 @@ def _params(*cases: tuple) -> list[Any]:
     return out
 
 
+def _zero_last_row(x: torch.Tensor) -> torch.Tensor:
+    y = x * 2
+    y[-1] = 0  # a constant written into the row the batch's size picks: padded, another row
+    return y
+
+
+_TABLE = torch.tensor([6, 1, 4, 0, 2, 3, 5, 7, 9, 8])
+
+
+def _table_rows_as_index(x: torch.Tensor) -> torch.Tensor:
+    return x[_TABLE[torch.arange(x.shape[0])].remainder(x.shape[0])]  # the table's values, not arange's
+
+
+def _arange_written_then_index(x: torch.Tensor) -> torch.Tensor:
+    i = torch.arange(x.shape[0])
+    i[-1:].fill_(0)  # written through a view: no longer each row's own index
+    return x[i]
+
+
+def _arange_masked_then_index(x: torch.Tensor) -> torch.Tensor:
+    i = torch.arange(x.shape[0])
+    i[i == 2] = x.shape[0] - 1
+    return x[i]
+
+
 REFUSED = _params(
     # rows coupled: (id, builder, reason, words the detail must contain)
     ("min_max_normalisation", lambda: Call(MM, (X,)), COUPLED, "reduces over the batch"),
@@ -566,6 +591,10 @@ REFUSED = _params(
     ("cat_along_batch", lambda: Call(lambda x: torch.cat([x, x * 2], 0), (X,)), COUPLED, "concatenates"),
     ("last_row", lambda: Call(lambda x: x * x[-1], (X,)), COUPLED, "selects one row"),
     ("permuted_rows", lambda: Call(lambda x: x[torch.arange(x.shape[0]).flip(0)], (X,)), COUPLED, "indexes the batch"),
+    ("zero_last_row", lambda: Call(_zero_last_row, (X,)), COUPLED, "selects one row"),
+    ("table_rows_as_index", lambda: Call(_table_rows_as_index, (X,)), COUPLED, "indexes the batch"),
+    ("arange_written_then_index", lambda: Call(_arange_written_then_index, (X,)), COUPLED, "indexes the batch"),
+    ("arange_masked_then_index", lambda: Call(_arange_masked_then_index, (X,)), COUPLED, "indexes the batch"),
     ("flip_batch", lambda: Call(lambda x: x.flip(0), (X,)), COUPLED, "aten.flip"),
     ("roll_batch", lambda: Call(lambda x: x.roll(1, 0), (X,)), COUPLED, "aten.roll"),
     ("diff_along_batch", lambda: Call(lambda x: x[1:] - x[:-1], (X,)), COUPLED, "slices the batch"),

@@ -32,9 +32,10 @@ A call of ``n`` rows:
    state (its run, and the capture, which executes no kernel), and never on a
    replay. With ``warmup_iters=0`` a call of exactly the bucket's size runs it
    once (the capture; a replay answers), a padded one twice (the capture, and
-   its own run, the check's reference). A bucket first captured ahead of time
-   (``capture_all``) runs it once on its first padded call: its own run, which
-   answers it and is the check's reference. A check never runs it.
+   its own run, the check's reference). A bucket first captured at its exact
+   size or ahead of time (``capture_all``) runs it once on its first padded
+   call: its own run, which answers it and is the check's reference. A check
+   never runs it.
 4. Without a GPU, ``simulate_padding`` runs the same pipeline eagerly: the
    model on the padded buffers where a replay would be (one run per call),
    the trace deciding padding as above; the poisoned replays need a graph.

@@ -262,6 +262,8 @@ class ShapeBucketPool:
         with self._lock:
             engine = self._engine
             inputs = self._fixed_inputs(leaves, layout)
+            if engine.graphs:
+                engine.order.after_previous()  # a replay still in flight may read the buffers
             inputs.fill_example(leaves, batch)
             key = inputs.layout.consts(leaves) if inputs.layout.has_consts else ()
             todo = [b for b in reversed(self.options.buckets) if (b, key) not in engine.entries]

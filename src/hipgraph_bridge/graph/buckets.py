@@ -70,9 +70,5 @@ class BucketTable:
             raise ValueError(f"batch_size: expected a positive int, got {size!r}")
         return self[size] if size <= self.largest else None
 
-    def is_bucket(self, size: int) -> bool:
-        i = bisect.bisect_left(self.buckets, size)
-        return i < len(self.buckets) and self.buckets[i] == size
-
     def __repr__(self) -> str:
         return f"BucketTable({self.buckets}{', exact=True' if self.exact else ''})"

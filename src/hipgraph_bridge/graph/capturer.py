@@ -52,10 +52,6 @@ class Captured:
     stage: str = ""  # where a failure happened: "warm_up" (the work raised) or "capture"
     error: Exception | None = None  # the exception of a failure
 
-    @property
-    def failed(self) -> bool:
-        return self.fallback is not None
-
 
 class Capturer:
     """Captures the graphs of one family (see the module docstring).

@@ -58,7 +58,11 @@ class Rows(NamedTuple):
     values hold no row, but an output like it must still be sliced back. Where it meets a real
     row label in another dim, the size was a coincidence and the real one wins. ``iota``: the
     values are the row indices themselves (``torch.arange(B)``, through views), so ``x[iota, j]``
-    reads row ``i`` into row ``i`` (transformers' attention masks index the batch this way).
+    reads row ``i`` into row ``i`` (transformers' attention masks index the batch this way); any
+    op other than a view, a copy or a clone drops it. A new tensor with one dimension of the
+    batch's size is taken as ``shaped``: ``torch.zeros(x.shape[0], 3)`` and ``torch.zeros(8, 3)``
+    at 8 rows look the same to a dispatch mode, and a bucket's first padded call, checked against
+    its own unpadded run, tells them apart.
     """
 
     dim: int
@@ -84,19 +88,24 @@ Label = Union[Rows, Mixed, None]
 
 
 def join(a: Label, b: Label) -> Label:
-    """The label of a value built from values labelled ``a`` and ``b``."""
-    if a is None or a == b:
-        return b
-    if b is None:
+    """The label of a value built from values labelled ``a`` and ``b``. Built from anything but itself,
+    ``arange(B)`` no longer holds the row indices (``table[arange(B)]``, a masked write into it)."""
+    if a == b:
         return a
+    if a is None or b is None:
+        one = b if a is None else a
+        return one._replace(iota=False) if isinstance(one, Rows) else one
     if isinstance(a, Mixed):
         return a if a.proven or not isinstance(b, Mixed) else b
     if isinstance(b, Mixed):
         return b
+    a, b = a._replace(iota=False), b._replace(iota=False)
     if a.shaped or b.shaped:  # a size that follows the batch carries no row: the other label decides
         if a.shaped and b.shaped:
             return a if a.dim == b.dim and a.inner == b.inner else None
         return b if a.shaped else a
+    if a == b:
+        return a
     return Mixed(f"rows of the batch meet along dims {a.dim} and {b.dim}")
 
 
@@ -116,10 +125,6 @@ class RowVerdict:
     input_writes: tuple[str, ...] = ()
     ops: int = 0
     host_read: bool = False  # unproven only because batch values were read on the host (see the pool's engine)
-
-    @property
-    def independent(self) -> bool:
-        return self.reason is None
 
     @property
     def stateful(self) -> bool:
@@ -332,10 +337,18 @@ class RowTracer(RowDispatchMode):
             self.input_writes.append(what + " that is one of the call's inputs")
         old_label = None if old is None else old[1]
         root_ref = None if old is None else old[3]
+        if isinstance(new, Rows) and new.iota and func.overloadpacket is not _COPY:
+            new = new._replace(iota=False)  # e.g. arange(B).fill_(0): same shape, other values
         self._put(w, new, kind, root_ref)
-        if new is None:
-            return  # constants written: what else the memory holds keeps its label
         root = root_ref() if root_ref is not None else w
+        if new is None:
+            # constants written: what else the memory holds keeps its label, unless the view picked
+            # positions by the batch's size (``x[-1] = 0`` writes another row once x is padded)
+            r = self._get(root) if root is not None and root is not w else None
+            if r is not None and (isinstance(old_label, Mixed) or (isinstance(r[1], Rows) and r[1].iota)):
+                written = old_label if isinstance(old_label, Mixed) else None
+                self._put(root, join(r[1], written), r[2], r[3])
+            return
         if root is not None and root is not w:
             r = self._get(root)
             self._put(root, join(None if r is None else r[1], self._root_label(func, w, root, new)), kind,
@@ -487,7 +500,7 @@ def _constant(tr: RowTracer, func: Any, args: Sequence[Any], kwargs: dict[str, A
     """Fills and factories: the result holds no row of the batch (its size may: ``new_zeros(x.shape[0], 3)``)."""
     if args and isinstance(args[0], torch.Tensor) and any(t is args[0] for t in _tensors(out)):
         lab = tr.label(args[0])  # filled in place: the shape is the tensor's own
-        return [lab._replace(shaped=True) if isinstance(lab, Rows) else None]
+        return [lab._replace(shaped=True, iota=False) if isinstance(lab, Rows) else None]
     return [tr._sized(t) for t in _tensors(out)]
 
 
@@ -500,7 +513,7 @@ def _like(tr: RowTracer, func: Any, args: Sequence[Any], kwargs: dict[str, Any],
     """``zeros_like(x)`` and kin: no row in the values, the batch in the shape."""
     lab = tr.label(args[0])
     if isinstance(lab, Rows):
-        return [lab._replace(shaped=True)]
+        return [lab._replace(shaped=True, iota=False)]
     return [None if lab is None else Mixed("a tensor shaped like values that mix rows", proven=False)]
 
 
@@ -1095,6 +1108,7 @@ def _op(name: str) -> Any:
 _RULES: dict[Any, Rule] = {}
 _ITEM = _op("aten::_local_scalar_dense.default")
 _ARANGE = _op("aten::arange")
+_COPY = _op("aten::copy_")
 _PLANS: dict[Any, tuple[Rule | None, bool, tuple[tuple[int, ...], tuple[str, ...]], bool]] = {}
 _FRESH = frozenset(p for p in (_op("aten::lift_fresh"), _op("aten::lift_fresh_copy"), _op("aten::lift"))
                    if p is not None)
