@@ -14,7 +14,7 @@ import enum
 import logging
 from dataclasses import dataclass
 
-__all__ = ["Reason", "Fallback"]
+__all__ = ["Reason", "Fallback", "FallsBack"]
 
 
 class Reason(str, enum.Enum):
@@ -94,3 +94,18 @@ class Fallback:
 
     def __str__(self) -> str:
         return f"{self.reason.value}: {self.detail}" if self.detail else self.reason.value
+
+
+class FallsBack:
+    """Work that may run without graphs: ``fallback`` says why (None while it runs graphed)."""
+
+    fallback: Fallback | None = None
+
+    @property
+    def reason(self) -> Reason | None:
+        """The fallback reason while ungraphed (a :class:`Reason`, a str)."""
+        return None if self.fallback is None else self.fallback.reason
+
+    @property
+    def detail(self) -> str:
+        return "" if self.fallback is None else self.fallback.detail

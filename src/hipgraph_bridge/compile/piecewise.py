@@ -42,7 +42,7 @@ from torch import fx
 
 from .. import stats
 from .._torch_compat import aot_mutated_inputs, generated_forward, pointers_equal, sym_expr, sym_range
-from ..fallbacks import Fallback, Reason
+from ..fallbacks import Fallback, FallsBack, Reason
 from ..graph.buckets import BucketTable, default_buckets
 from ..graph.capturer import Capturer
 from ..graph.ordering import CallOrder
@@ -120,7 +120,7 @@ class _NotPiecewise(Exception):
     """A frame the piecewise path cannot serve (it is served whole instead)."""
 
 
-class PiecewiseSubgraph:
+class PiecewiseSubgraph(FallsBack):
     """One dynamo frame served piecewise (module docstring). Calls are serialised by a lock."""
 
     role = "piecewise"
@@ -274,14 +274,6 @@ class PiecewiseSubgraph:
             self.state = SubgraphState.UNGRAPHED
             self.fallback = Fallback(Reason.CPU_INPUTS, f"inputs on {', '.join(sorted(self.devices))}: graphs need "
                                      "every tensor input on the GPU", logging.INFO)
-
-    @property
-    def reason(self) -> str | None:
-        return None if self.fallback is None else self.fallback.reason
-
-    @property
-    def detail(self) -> str:
-        return "" if self.fallback is None else self.fallback.detail
 
     # --------------------------------------------------------------- call
     def __call__(self, *args: Any) -> Any:

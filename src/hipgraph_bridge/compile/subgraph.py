@@ -33,7 +33,7 @@ import torch
 from .. import stats
 from .._torch_compat import aot_mutated_inputs, pointers_equal, pytree, sym_expr
 from ..bucketing.pool import ShapeBucketPool
-from ..fallbacks import Fallback, Reason
+from ..fallbacks import Fallback, FallsBack, Reason
 from ..padding.fx import trace_graph
 from ..padding.rows import RowVerdict
 from ..ranks.agreement import RankSession, Round, Status, describe_failures, failures
@@ -61,7 +61,7 @@ class _Variant:
     owned: list[tuple[int, torch.Tensor]]  # (input index, static buffer) copied into per call
 
 
-class CompiledSubgraph:
+class CompiledSubgraph(FallsBack):
     """One dynamo subgraph, compiled once, served through batch-bucket graphs (module docstring).
 
     Cost per graphed call over a bare replay: the pool's (flatten, lock, copy
@@ -116,15 +116,6 @@ class CompiledSubgraph:
         if p.static and opts.static_compile_after > 1:
             return  # LAZY: compile on the static_compile_after-th call
         self._compile(example_inputs)
-
-    @property
-    def reason(self) -> str | None:
-        """The fallback reason while UNGRAPHED (a :class:`~hipgraph_bridge.fallbacks.Reason`, a str)."""
-        return None if self.fallback is None else self.fallback.reason
-
-    @property
-    def detail(self) -> str:
-        return "" if self.fallback is None else self.fallback.detail
 
     # ----------------------------------------------------------- compile
     def _choose_buckets(self) -> list[int]:
