@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from .errors import ConfigError
@@ -182,6 +182,10 @@ class Switches:
     enabled: bool = False
     debug: bool = False
     validate: bool = False  # compare high-level calls with eager, return eager on a mismatch
+    checked: bool = field(init=False, default=False)  # debug or validate: the hot paths read one flag
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "checked", self.debug or self.validate)
 
 
 switches = Switches()

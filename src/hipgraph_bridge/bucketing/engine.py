@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from .. import config, stats
-from .._torch_compat import pytree
+from .._torch_compat import current_raw_stream, pytree
 from ..fallbacks import Fallback, Reason
 from ..graph.buckets import BucketTable
 from ..graph.capture import record_on_current_stream
@@ -96,26 +96,43 @@ class FastCall:
     rebuild: Callable[[list[Any]], Any]
     engine: Callable[[], Any]  # weak reference to the engine (a zero-copy call's fast path checks it)
 
-    def run_io(self, inputs: StaticInputs) -> Any:
-        """A zero-copy call on the fast path (None: take the checked path): the caller wrote the rows."""
-        engine = self.engine()
-        if engine is None or self.tree is None:
-            return None
-        sw = config.switches
-        with engine.lock:
-            if engine.inputs is not inputs or engine.generation != self.generation or sw.validate or sw.debug \
-                    or (self.padded and inputs.dirty > self.batch):
-                return None
-            if inputs.dirty < self.batch:
-                inputs.dirty = self.batch
-            engine.order.after_previous()
-            self.replay()
-            return self.tree
-
     def result(self, copy: bool) -> Any:
         if copy:
-            return self.rebuild([o.clone() if isinstance(o, torch.Tensor) else o for o in self.outputs])
+            outs = self.outputs
+            if len(outs) == 1 and self.tree is outs[0]:  # one tensor: the common case, without the list
+                return outs[0].clone()
+            return self.rebuild([o.clone() if isinstance(o, torch.Tensor) else o for o in outs])
         return self.tree if self.tree is not None else self.rebuild(list(self.outputs))
+
+    def zero_copy(self, inputs: StaticInputs, slow: Callable[[], Any]) -> Callable[[], Any] | None:
+        """A zero-copy call of this batch size on ``inputs`` (the caller wrote the rows): the replay and
+        its checks, or ``slow()`` (the checked call) when this fast call no longer applies. None when
+        the outputs are not one fixed tree (they are rebuilt per call, off this path)."""
+        engine_ref, gen, batch, padded, tree, replay = (self.engine, self.generation, self.batch, self.padded,
+                                                         self.tree, self.replay)
+        engine = engine_ref()
+        if engine is None or tree is None:
+            return None
+        lock, order = engine.lock, engine.order
+        del engine  # the closure holds the engine weakly: a StaticIO must not keep a dropped pool alive
+
+        # Every check runs under the pool's lock, so a concurrent call that recaptures (and moves the
+        # generation) is seen; the stream check is a handle comparison (CallOrder.after_previous on a change).
+        def run() -> Any:
+            with lock:
+                e = engine_ref()
+                if e is None or e.generation != gen or e.inputs is not inputs or config.switches.checked \
+                        or (padded and inputs.dirty > batch):
+                    return slow()
+                if inputs.dirty < batch:
+                    inputs.dirty = batch
+                raw = current_raw_stream()
+                if raw is None or raw != order.raw:
+                    order.after_previous()
+                replay()
+                return tree
+
+        return run
 
 
 @dataclass
@@ -183,18 +200,20 @@ class BucketEngine:
         tensor argument, the stream check, the replay, the output views (cloned when ``copy``).
         """
         fast = self.fast.get(batch)
-        if fast is not None and fast.generation == self.generation and not (fast.padded and inputs.dirty > batch):
-            sw = config.switches
-            if not (sw.validate or sw.debug):
-                self.order.after_previous()  # before the copies: the previous call may still read the buffers
-                for dst, i in fast.copies:
-                    src = leaves[i]
-                    if src is not dst:
-                        dst.copy_(src)
-                if inputs.dirty < batch:
-                    inputs.dirty = batch
-                fast.replay()
-                return fast.result(copy)
+        if fast is not None and fast.generation == self.generation and not (fast.padded and inputs.dirty > batch) \
+                and not config.switches.checked:
+            order = self.order
+            raw = current_raw_stream()
+            if raw is None or raw != order.raw:
+                order.after_previous()  # before the copies: the previous call may still read the buffers
+            for dst, i in fast.copies:
+                src = leaves[i]
+                if src is not dst:
+                    dst.copy_(src)
+            if inputs.dirty < batch:
+                inputs.dirty = batch
+            fast.replay()
+            return fast.result(copy)
         out = self._call(inputs, leaves, batch, args, kwargs, copy)
         if not inputs.layout.has_consts and (fast is None or fast.generation != self.generation):
             self._remember(inputs, batch)
@@ -211,11 +230,10 @@ class BucketEngine:
                 or entry.fallback is not None or (batch < bucket and not entry.confirmed):
             return
         layout = entry.layout
-        views = layout.real(entry.outputs, batch)
-        tree = layout.result(entry.outputs, batch, copy=False, cache=True)
+        views, tree = layout.views(entry.outputs, batch)
         copies = tuple((dst, i) for dst, i, _ in inputs.plan(batch, bucket))
         self.fast[batch] = FastCall(self.generation, batch, batch < bucket, copies, entry.graph.replay, tuple(views),
-                                    tree if layout.immutable else None, layout.rebuild, weakref.ref(self))
+                                    tree, layout.rebuild, weakref.ref(self))
 
     def _call(self, inputs: StaticInputs, leaves: list[Any], batch: int, args: tuple[Any, ...],
               kwargs: dict[str, Any], copy: bool) -> Any:

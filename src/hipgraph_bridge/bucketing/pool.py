@@ -308,7 +308,7 @@ class ShapeBucketPool:
             return StaticIO(self._run_io, inputs, batch_size)
 
     def _run_io(self, io: StaticIO) -> Any:
-        """A zero-copy call off its fast path (:meth:`~.engine.FastCall.run_io`): the checked call on the views."""
+        """A zero-copy call off its fast path (:meth:`~.engine.FastCall.zero_copy`): the checked call on the views."""
         switches = config.switches
         with self._lock:
             engine = self._engine
@@ -319,7 +319,7 @@ class ShapeBucketPool:
                 io.check_intact()
                 self._epoch[0] += 1
             out = engine.call(io.inputs, io.leaves, io.batch_size, io.args, io.kwargs, False)
-            io.fast = engine.fast_io(io.batch_size, out)
+            io.use(engine.fast_io(io.batch_size, out))
             return guard_outputs(out, self._epoch) if switches.debug else out
 
     def replay_buffers(self, batch_size: int) -> Any:
@@ -449,7 +449,7 @@ class AgreedShapeBucketPool(ShapeBucketPool):
     def _run_io(self, io: StaticIO) -> Any:
         self._decider.agree_batch(io.batch_size, exact=True)  # zero-copy views have fixed rows: every rank alike
         out = super()._run_io(io)
-        io.fast = None  # every zero-copy call of an agreed pool starts with its round
+        io.use(None)  # every zero-copy call of an agreed pool starts with its round
         return out
 
 

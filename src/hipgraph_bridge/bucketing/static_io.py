@@ -23,6 +23,7 @@ see) raises ``RuntimeError``.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -56,16 +57,33 @@ class StaticIO:
         """Replay the bucket on what the views hold; returns views of the outputs (no copies).
 
         Cost once the bucket is captured and checked: a lock, a stream-handle
-        comparison and the replay (about one launch of host time).
+        comparison and the replay (about one launch of host time). That call is
+        a closure the pool installs over this method (:meth:`use`), so it is one
+        Python frame above the replay.
         """
-        fast = self.fast
-        if fast is not None:
-            out = fast.run_io(self.inputs)
-            if out is not None:
-                return out
         return self._run(self)
 
-    __call__ = run
+    def use(self, fast: Any) -> None:
+        """Take ``fast`` (a :class:`~.engine.FastCall` of this batch size, or None) as this object's replay
+        path: ``run`` becomes its zero-copy closure, which falls back to the checked call itself."""
+        self.fast = fast
+        me = weakref.ref(self)  # weak: the closure lives in this object's __dict__
+
+        def checked() -> Any:
+            io = me()
+            if io is None:
+                raise RuntimeError("StaticIO.run: the StaticIO it belongs to was dropped; keep the object, "
+                                   "not only its run method")
+            return io._run(io)
+
+        closure = fast.zero_copy(self.inputs, checked) if fast is not None else None
+        if closure is None:
+            self.__dict__.pop("run", None)
+        else:
+            self.run = closure  # type: ignore[method-assign]
+
+    def __call__(self) -> Any:
+        return self.run()
 
     def check_intact(self) -> None:
         """Debug mode: the arguments are still the buffer views (a rebound one would be ignored)."""

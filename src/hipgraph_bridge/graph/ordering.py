@@ -15,19 +15,20 @@ class CallOrder:
     def __init__(self) -> None:
         self._stream: torch.cuda.Stream | None = None  # stream of the previous call
         # its handle: comparing handles is much cheaper than Stream objects. None until a first call
-        # (the default stream's handle is 0, so 0 cannot mean "no call yet")
-        self._raw: int | None = None
+        # (the default stream's handle is 0, so 0 cannot mean "no call yet"). Public so that a hot
+        # path can compare it with the current handle inline and call after_previous() only on a change
+        self.raw: int | None = None
 
     def after_previous(self) -> None:
         """Order the current stream after the previous call (a handle comparison when it is the same)."""
         raw = current_raw_stream()
-        if raw is not None and raw == self._raw and self._stream is not None:
+        if raw is not None and raw == self.raw and self._stream is not None:
             return
         stream = torch.cuda.current_stream()
         last = self._stream
         if last is not None and last != stream:
             stream.wait_stream(last)
-        self._stream, self._raw = stream, raw
+        self._stream, self.raw = stream, raw
 
     def forget(self) -> None:
-        self._stream, self._raw = None, None
+        self._stream, self.raw = None, None

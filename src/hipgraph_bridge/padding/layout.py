@@ -155,12 +155,21 @@ class QuickPlan:
 
     :meth:`match` checks each argument against the layout without building
     one; None sends the call down :func:`classify`, which also words the errors.
+    A batched argument's shapes seen before are answered from a small table
+    (shape -> batch size): slicing a ``torch.Size`` costs more than the rest
+    of the check.
     """
+
+    _SHAPES = 4096  # at most this many shapes remembered per argument (one per batch size in practice)
 
     def __init__(self, layout: CallLayout, leaves: list[Any], batch_dim: int) -> None:
         self.batch_dim = batch_dim
-        self.plan = [(k, type(leaf) if k == CONST else m)
-                     for k, m, leaf in zip(layout.kinds, layout.tensor_meta, leaves)]
+        self.plan: list[tuple[str, Any, Any, Any, dict[Any, int]]] = []
+        for k, m, leaf in zip(layout.kinds, layout.tensor_meta, leaves):
+            if k == CONST:
+                self.plan.append((k, type(leaf), None, None, {}))
+            else:
+                self.plan.append((k, m[0], m[1], m[2], {}))
 
     @staticmethod
     def applies(layout: CallLayout) -> bool:
@@ -168,31 +177,41 @@ class QuickPlan:
         return not kw_names and all(spec.is_leaf() for spec in specs)
 
     def match(self, args: tuple[Any, ...]) -> tuple[list[Any], int] | None:
-        plan, bd = self.plan, self.batch_dim
+        plan = self.plan
         if len(args) != len(plan):
             return None
         batch = -1
-        for a, (kind, meta) in zip(args, plan):
+        for a, (kind, dtype, device, rest, seen) in zip(args, plan):
             if kind == CONST:
-                if type(a) is not meta:  # the exact type: a tuple, None or a tensor takes the full path
+                if type(a) is not dtype:  # the exact type: a tuple, None or a tensor takes the full path
                     return None
                 try:
                     hash(a)
                 except TypeError:
                     return None
                 continue
-            if not isinstance(a, torch.Tensor) or a.dtype != meta[0] or a.device != meta[1] or a.requires_grad:
+            if not isinstance(a, torch.Tensor) or a.dtype != dtype or a.device != device or a.requires_grad:
                 return None
             shape = a.shape
             if kind == STATIC:
-                if shape != meta[2]:
+                if shape != rest:
                     return None
                 continue
-            if len(shape) <= bd or shape[:bd] + shape[bd + 1:] != meta[2]:
-                return None
-            n = shape[bd]
+            n = seen.get(shape)
+            if n is None:
+                n = self._batch(shape, rest)
+                if n is None:
+                    return None
+                if len(seen) < self._SHAPES:
+                    seen[shape] = n
             if batch < 0:
                 batch = n
             elif n != batch:
                 return None
         return (list(args), batch) if batch >= 1 else None
+
+    def _batch(self, shape: torch.Size, rest: Any) -> int | None:
+        bd = self.batch_dim
+        if len(shape) <= bd or shape[:bd] + shape[bd + 1:] != rest:
+            return None
+        return int(shape[bd])

@@ -55,19 +55,25 @@ class OutputLayout:
             out.append(o)
         return out
 
+    def views(self, leaves: list[Any], batch: int) -> tuple[list[Any], Any]:
+        """The sliced leaves of a graph's static outputs for ``batch`` rows and their tree (None when the
+        tree is rebuilt per call), made once per batch size: the same objects every call."""
+        cached = self._views.get(batch)
+        if cached is None:
+            cached = self._views[batch] = self._slice(leaves, batch)
+        return cached
+
+    def _slice(self, leaves: list[Any], batch: int) -> tuple[list[Any], Any]:
+        sliced = self.real(leaves, batch)
+        return sliced, self.rebuild(sliced) if self.immutable else None
+
     def result(self, leaves: list[Any], batch: int, *, copy: bool, cache: bool) -> Any:
         """The outputs of a call of ``batch`` rows: batched leaves sliced to ``batch``, copied if asked.
 
         ``cache`` keeps the sliced views per batch size (for a graph's static
         outputs); uncopied, a leaf or tuple result is then the same object every call.
         """
-        cached = self._views.get(batch) if cache else None
-        if cached is None:
-            sliced = self.real(leaves, batch)
-            cached = (sliced, self.rebuild(sliced) if self.immutable else None)
-            if cache:
-                self._views[batch] = cached
-        sliced, tree = cached
+        sliced, tree = self.views(leaves, batch) if cache else self._slice(leaves, batch)
         if copy:
             return self.rebuild([o.clone() if isinstance(o, torch.Tensor) else o for o in sliced])
         return tree if tree is not None else self.rebuild(sliced)
