@@ -37,6 +37,7 @@ import torch
 
 from gfxgraph.suites._common import figure, parser, write
 from hipgraph_bridge import OriginalCUDAGraph, ShapeBucketPool, graph_pool_bytes
+from hipgraph_bridge._torch_compat import RowDispatchMode
 from hipgraph_bridge.padding.rows import RowTracer
 from gfxgraph.suites.llm_decode import CONFIGS, HandCaptured, new_cache, prefill, warm_compilers
 
@@ -303,9 +304,17 @@ def hand_capture_all(step: Callable[..., Any], buckets: list[int]) -> tuple[floa
     return seconds, used
 
 
+class _PassThrough(RowDispatchMode):
+    """A dispatch mode that only runs each op: the floor any dispatcher-level trace pays."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
 def analysis_cost(step: Callable[..., Any]) -> dict[str, Any]:
     """The row analysis's one-time cost: the step run under the tracer (and its verdict) against the same
-    eager run, as a pool's first call makes it (its own run, traced), median of 5 each."""
+    eager run, as a pool's first call makes it (its own run, traced), median of 5 each; beside it the
+    same run under a dispatch mode that does nothing but run each op (the floor of such a trace)."""
     out: dict[str, Any] = {}
     for b in (1, 8):
         z = torch.zeros(b, 1, dtype=torch.long, device="cuda")
@@ -313,16 +322,20 @@ def analysis_cost(step: Callable[..., Any]) -> dict[str, Any]:
         def eager() -> None:
             step(z, z)
 
+        def floor() -> None:
+            with _PassThrough():
+                step(z, z)
+
         def traced() -> Any:
             tracer = RowTracer([(z, 0), (z, 0)], rows=b)
             with tracer:
                 y = step(z, z)
             return tracer.verdict(y), tracer.ops
 
-        times: dict[str, list[float]] = {"eager": [], "traced": []}
+        times: dict[str, list[float]] = {"eager": [], "traced": [], "floor": []}
         verdict, ops = None, 0
         for _ in range(5):
-            for label, fn in (("eager", eager), ("traced", traced)):
+            for label, fn in (("eager", eager), ("traced", traced), ("floor", floor)):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 got = fn()
@@ -330,8 +343,9 @@ def analysis_cost(step: Callable[..., Any]) -> dict[str, Any]:
                 times[label].append((time.perf_counter() - t0) * 1e3)
                 if got is not None:
                     verdict, ops = got
-        e, t = statistics.median(times["eager"]), statistics.median(times["traced"])
+        e, t, f = (statistics.median(times[k]) for k in ("eager", "traced", "floor"))
         out[f"bs {b}"] = {"eager_ms": e, "traced_ms": t, "overhead": t / e - 1, "ops": ops,
+                          "pass_through_ms": f, "pass_through_overhead": f / e - 1,
                           "verdict": "rows independent" if verdict.reason is None else str(verdict.reason)}
     return out
 
@@ -384,7 +398,10 @@ def part_capture_scale(with_backend: bool) -> tuple[dict[str, Any], list[dict[st
     for b, a in res["analysis"].items():
         figs += [figure(f"row analysis 1.5B decode step {b}: traced run / eager run - 1", a["overhead"], "<= 0.25",
                         a["overhead"] <= 0.25, note=f"eager {a['eager_ms']:.1f} ms, traced {a['traced_ms']:.1f} ms, "
-                        f"{a['ops']} aten ops, verdict: {a['verdict']}")]
+                        f"{a['ops']} aten ops, verdict without a capture: {a['verdict']}"),
+                 figure(f"row analysis 1.5B decode step {b}: pass-through dispatch mode / eager run - 1 (the floor)",
+                        a["pass_through_overhead"], None, None,
+                        note="a dispatch mode that only runs each op: no dispatcher-level trace costs less")]
     if with_backend:
         figs.append(figure("36 sizes 1.5B: backend=gfxgraph warm-up (compile + capture)",
                            res["backend warm-up (compile + capture)"]["seconds"], None, None, "s",

@@ -205,10 +205,10 @@ class RowTracer(RowDispatchMode):
             return self._scalars.get(id(args[0]), 1)
         out = func(*args, **kwargs) if kwargs else func(*args)
         self.ops += 1
-        plan = _PLANS.get(func)
+        plan = _PLANS.get(id(func))  # by id: an OpOverload's own __hash__ is Python code, ~2 per op
         if plan is None:
-            plan = _PLANS[func] = _plan(func)
-        rule, seeded, writes, is_view = plan
+            plan = _PLANS[id(func)] = _plan(func)
+        rule, seeded, writes, _, view_of_arg, made, _ = plan
         info = self._info
         labelled = False
         for a in args:
@@ -229,11 +229,12 @@ class RowTracer(RowDispatchMode):
             if labelled and type(out) in (bool, int, float) and not self.host_read:
                 self._host(func)
             if not labelled and not writes[0] and rule is not _batch_norm:
-                self._plain(func, args, out, is_view)
+                self._plain(func, args, out, view_of_arg)
             elif rule is None:
                 self._unknown(func, args, kwargs or {}, out, f"{func} is not known to the row analysis")
             else:
-                self._assign(func, args, kwargs or {}, out, rule(self, func, args, kwargs or {}, out), writes)
+                self._assign(func, args, kwargs or {}, out, rule(self, func, args, kwargs or {}, out), writes,
+                             view_of_arg, made)
         except Exception as exc:  # a rule that fails is an unknown op, never the model's error
             self._unknown(func, args, kwargs or {}, out, f"{func}: the row analysis failed on it ({exc})")
         return out
@@ -256,10 +257,10 @@ class RowTracer(RowDispatchMode):
         return None if e is None else e[1]
 
     # ------------------------------------------------------------------ bookkeeping
-    def _plain(self, func: Any, args: Sequence[Any], out: Any, is_view: bool) -> None:
+    def _plain(self, func: Any, args: Sequence[Any], out: Any, view_of_arg: bool) -> None:
         """An op on unlabelled values: its outputs carry no rows; views keep their base's kind. A new
         tensor with exactly one dimension of the batch's size is taken to be sized by it (``shaped``)."""
-        if is_view and args and isinstance(args[0], torch.Tensor) and func.overloadpacket not in _FRESH:
+        if view_of_arg and args and isinstance(args[0], torch.Tensor):
             for t in _tensors(out):
                 self._new_view(t, args[0], None)
             return
@@ -280,14 +281,14 @@ class RowTracer(RowDispatchMode):
         label: Label = None
         if _first_label(self, args, kwargs) is not None:
             label = Mixed(why, proven=False)
-        self._assign(func, args, kwargs, out, [label] * len(_tensors(out)), op_writes(func))
+        plan = _PLANS.get(id(func)) or _plan(func)
+        self._assign(func, args, kwargs, out, [label] * len(_tensors(out)), plan[2], plan[4], plan[5])
 
     def _assign(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any, labels: Sequence[Label],
-                writes: tuple[tuple[int, ...], tuple[str, ...]]) -> None:
+                writes: tuple[tuple[int, ...], tuple[str, ...]], view_of_arg: bool, made_here: int) -> None:
         outs = _tensors(out)
         written = self._written(args, kwargs, writes) if writes[0] else []
-        view_of = args[0] if func.is_view and args and isinstance(args[0], torch.Tensor) \
-            and func.overloadpacket not in _FRESH else None
+        view_of = args[0] if view_of_arg and args and isinstance(args[0], torch.Tensor) else None
         for t, lab in zip(outs, labels):
             if any(t is w for w in written):
                 continue  # an in-place result: the write below labels it
@@ -295,8 +296,7 @@ class RowTracer(RowDispatchMode):
                 self._new_view(t, view_of, lab)
             else:
                 old = self._get(t)
-                made = _MADE if func.overloadpacket in _MAKERS else _CREATED
-                self._put(t, lab, made if old is None else old[2], None if old is None else old[3])
+                self._put(t, lab, made_here if old is None else old[2], None if old is None else old[3])
         for w in written:
             new = next((lab for t, lab in zip(outs, labels) if t is w), None)
             if new is None and not any(t is w for t in outs):  # written, not returned (batch norm's running stats)
@@ -476,7 +476,7 @@ def _shift(lab: Label, in_ndim: int, out: torch.Tensor, in_size: int | None = No
     d = lab.dim + out.dim() - in_ndim
     if d < 0 or (in_size is not None and in_size != out.shape[d]):
         return Mixed("the batch dimension is broadcast")
-    return lab._replace(dim=d)
+    return lab if d == lab.dim else Rows(d, lab.inner, lab.outer, lab.shaped, lab.iota)
 
 
 def _pointwise(tr: RowTracer, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> list[Label]:
@@ -492,7 +492,7 @@ def _pointwise(tr: RowTracer, func: Any, args: Sequence[Any], kwargs: dict[str, 
                 if xl is not None:
                     lab = join(lab, _shift(xl, x.dim(), ref, x.shape[xl.dim] if isinstance(xl, Rows) else None))
     if isinstance(lab, Rows) and lab.iota:
-        lab = lab._replace(iota=False)  # arange(B) + 1 no longer names each row itself
+        lab = Rows(lab.dim, lab.inner, lab.outer, lab.shaped)  # arange(B) + 1 no longer names each row itself
     return [lab] * len(outs)
 
 
@@ -1109,7 +1109,9 @@ _RULES: dict[Any, Rule] = {}
 _ITEM = _op("aten::_local_scalar_dense.default")
 _ARANGE = _op("aten::arange")
 _COPY = _op("aten::copy_")
-_PLANS: dict[Any, tuple[Rule | None, bool, tuple[tuple[int, ...], tuple[str, ...]], bool]] = {}
+_Plan = tuple[Union[Rule, None], bool, tuple[tuple[int, ...], tuple[str, ...]], bool, bool, int, Any]
+# by id(op), the op itself last in the value: held here, an op's id is never reused for another
+_PLANS: dict[int, _Plan] = {}
 _FRESH = frozenset(p for p in (_op("aten::lift_fresh"), _op("aten::lift_fresh_copy"), _op("aten::lift"))
                    if p is not None)
 # factories that take a tensor only for its dtype and device: their size may be the batch's
@@ -1120,14 +1122,19 @@ _MAKERS = _NEW | frozenset(p for p in (_op(f"aten::{n}") for n in ("zeros_like",
                                                                    "full_like")) if p is not None)
 
 
-def _plan(func: Any) -> tuple[Rule | None, bool, tuple[tuple[int, ...], tuple[str, ...]], bool]:
-    """(rule, draws random numbers, writes, is a view) of an op, computed once: an overload's own rule,
-    else the pointwise rule for ops tagged pointwise (``max.other``), else the packet's rule."""
+def _plan(func: Any) -> _Plan:
+    """What the trace needs of an op, computed once: its rule (an overload's own, else the pointwise
+    rule for ops tagged pointwise such as ``max.other``, else the packet's), whether it draws random
+    numbers, what it writes, whether it is a view, whether its outputs view its first argument (a
+    view, but not ``lift_fresh``), and what its new outputs are to the call (made by a factory or not)."""
     tags = func.tags
     rule = _RULES.get(func)
+    packet = func.overloadpacket
     if rule is None:
-        rule = _pointwise if torch.Tag.pointwise in tags else _RULES.get(func.overloadpacket)
-    return rule, torch.Tag.nondeterministic_seeded in tags, op_writes(func), bool(func.is_view)
+        rule = _pointwise if torch.Tag.pointwise in tags else _RULES.get(packet)
+    is_view = bool(func.is_view)
+    return (rule, torch.Tag.nondeterministic_seeded in tags, op_writes(func), is_view,
+            is_view and packet not in _FRESH, _MADE if packet in _MAKERS else _CREATED, func)
 
 
 def _register(rule: Rule, *names: str) -> None:
