@@ -14,8 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 from hipgraph_bridge import (
+    Backend,
     BackendOptions,
     BridgedCUDAGraph,
+    backend,
     backend_stats,
     gfxgraph_backend,
     ConditionalGraph,
@@ -66,6 +68,8 @@ __all__ = [
     "RankAgreementError",
     "default_buckets",
     "gfxgraph_backend",
+    "backend",
+    "Backend",
     "BackendOptions",
     "backend_stats",
     "compiled_subgraphs",

@@ -39,6 +39,7 @@ from hipgraph_bridge import ShapeBucketPool
 from hipgraph_bridge.compile import BackendOptions
 from hipgraph_bridge.compile.backend import register
 from hipgraph_bridge.conditional.loop import LOOP_STRATEGIES
+from hipgraph_bridge.errors import ConfigError
 from hipgraph_bridge.generation import DeviceDecodeLoop
 
 __all__ = ["compile_config", "StaticCacheDecoder"]
@@ -51,12 +52,18 @@ def compile_config(*, dynamic: bool | None = None, fullgraph: bool = False, **op
     ``compiler=``, ...; see :class:`~hipgraph_bridge.compile.BackendOptions`),
     checked here so a bad one fails now and not inside ``generate()``.
     ``dynamic`` is passed to ``torch.compile`` (None: dynamo makes the batch
-    dimension dynamic at the second batch size it sees). Raises ``ImportError``
-    without transformers and :class:`~hipgraph_bridge.errors.ConfigError` for a bad option.
+    dimension dynamic at the second batch size it sees); ``fullgraph`` too.
+    Every argument is checked before transformers is imported: a bad one raises
+    :class:`~hipgraph_bridge.errors.ConfigError` (as :func:`gfxgraph.backend`
+    does); without transformers this raises ``ImportError``.
     """
+    if dynamic is not None and not isinstance(dynamic, bool):
+        raise ConfigError(f"compile_config(dynamic=...): expected None, True or False, got {dynamic!r}")
+    if not isinstance(fullgraph, bool):
+        raise ConfigError(f"compile_config(fullgraph=...): expected True or False, got {fullgraph!r}")
+    BackendOptions.from_mapping(options)
     import transformers  # optional: only this integration needs it
 
-    BackendOptions.from_mapping(options)
     register()  # backend="gfxgraph" resolves even where the package's entry points are not installed
     # mode=None: torch.compile refuses a mode together with options, and the backend needs no mode
     return transformers.CompileConfig(backend="gfxgraph", mode=None, options=dict(options) or None,

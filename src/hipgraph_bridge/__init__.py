@@ -13,7 +13,8 @@ from .fallbacks import Fallback, Reason
 from .graph.buckets import default_buckets, validate_buckets
 from .ranks import RankAgreement
 from .compat import BridgedCUDAGraph
-from .compile import BackendOptions, backend_stats, compiled_subgraphs, gfxgraph_backend
+from .compile import Backend, BackendOptions, backend_stats, compiled_subgraphs, gfxgraph_backend
+from .compile.backend import backend
 from .compose import (
     CompositorState,
     GraphCompositor,
@@ -71,6 +72,8 @@ __all__ = [
     "default_buckets",
     "validate_buckets",
     "gfxgraph_backend",
+    "backend",
+    "Backend",
     "BackendOptions",
     "backend_stats",
     "compiled_subgraphs",

@@ -16,9 +16,13 @@ the entry point covers every installed copy. From a source checkout that is
 not installed, import ``torch._dynamo`` before ``register()``/``enable()``.
 
 Per subgraph (:mod:`.subgraph`): inductor kernels (its own CUDA graphs off)
-served through a :class:`~hipgraph_bridge.ShapeBucketPool`; where a graph would
+served through a :class:`~hipgraph_bridge.ShapeBucketPool`. A subgraph that
+needs autograd (grad mode on and an input, such as a parameter, requiring grad)
+is graphed as ``mode="reduce-overhead"`` graphs it instead: inductor's CUDA-graph
+trees, forward and backward, a recording per shape (on gfxgraph's safe graph
+class while ``gfxgraph.enable()`` is on). Where a graph would
 be wrong or impossible the subgraph runs compiled without graphs and says why:
-training (grad mode on and an input requiring grad), an input the graph
+training with ``compiler="eager"``, an input the graph
 mutates, the batch size used as a value, rows that depend on each other (the
 first padded call is compared with an unpadded run), a padded call of a
 subgraph that writes to its parameters or buffers, CPU tensors when a GPU is
@@ -63,8 +67,8 @@ from .options import BackendOptions
 from .piecewise import PiecewiseSubgraph, piecewise_subgraph
 from .subgraph import CompiledSubgraph, SubgraphState, compile_counts, live_subgraphs
 
-__all__ = ["BACKEND_NAMES", "gfxgraph_backend", "register", "backend_stats", "piecewise_stats",
-           "compiled_subgraphs", "reset_backend"]
+__all__ = ["BACKEND_NAMES", "gfxgraph_backend", "Backend", "backend", "register", "backend_stats",
+           "piecewise_stats", "trees_stats", "compiled_subgraphs", "reset_backend"]
 
 BACKEND_NAMES = ("gfxgraph", "hipgraph_bridge")
 
@@ -84,6 +88,11 @@ def gfxgraph_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         raise TypeError(f"torch.compile(backend='gfxgraph', options=...): expected a dict of option names to "
                         f"values, got {type(options).__name__}; known options: {', '.join(BackendOptions.known())}")
     opts = BackendOptions.from_mapping({**(options or {}), **option_kwargs}, mode=mode)
+    return _serve(gm, example_inputs, opts)
+
+
+def _serve(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions) -> Callable[..., Any]:
+    """The function dynamo calls for ``gm``: a piecewise frame or one compiled subgraph."""
     sub: Any = (piecewise_subgraph(gm, list(example_inputs), opts) if opts.piecewise
                 else CompiledSubgraph(gm, list(example_inputs), opts))
 
@@ -97,6 +106,57 @@ def gfxgraph_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
 
     run.subgraph = sub  # type: ignore[attr-defined]  # introspection: state, reason, buckets
     return run
+
+
+class Backend:
+    """``torch.compile(model, backend=gfxgraph.backend(buckets=[1, 8]))``: the backend with its options checked.
+
+    Made by :func:`backend`, which validates every option when it is written
+    (a :class:`~hipgraph_bridge.errors.ConfigError` there, not a
+    ``BackendCompilerFailed`` at the first call). Dynamo calls it once per
+    subgraph, like the string backend. ``torch.compile``'s ``mode`` is applied
+    at that call (checked then); ``options=`` given to ``torch.compile`` as well
+    are merged over these and checked then too. The options are a frozen
+    :class:`BackendOptions` (``.options``).
+    """
+
+    compiler_name = "gfxgraph"
+
+    def __init__(self, options: BackendOptions, given: Mapping[str, Any]) -> None:
+        self.options = options
+        self._given = dict(given)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
+                 options: Mapping[str, Any] | None = None, mode: str | None = None) -> Callable[..., Any]:
+        opts = self.options
+        if options or mode is not None:
+            if options is not None and not isinstance(options, Mapping):
+                raise TypeError(f"torch.compile(backend=gfxgraph.backend(...), options=...): expected a dict of "
+                                f"option names to values, got {type(options).__name__}")
+            opts = BackendOptions.from_mapping({**self._given, **(options or {})}, mode=mode)
+        return _serve(gm, example_inputs, opts)
+
+    def reset(self) -> None:
+        """``torch._dynamo.reset()`` calls this: release the graphs of every live subgraph."""
+        reset_backend()
+
+    def __repr__(self) -> str:
+        given = ", ".join(f"{k}={v!r}" for k, v in self._given.items())
+        return f"gfxgraph.backend({given})"
+
+
+def backend(**options: Any) -> Backend:
+    """A ``torch.compile`` backend with ``options`` checked now: ``torch.compile(m, backend=gfxgraph.backend(...))``.
+
+    Takes the options of ``torch.compile(m, backend="gfxgraph", options={...})``
+    as keywords (:class:`BackendOptions` lists them). Every one is validated
+    here: an unknown name or a bad value raises
+    :class:`~hipgraph_bridge.errors.ConfigError` from this call, which
+    ``except gfxgraph.ConfigError`` catches. The string backend with
+    ``options=`` keeps working and validates at the first call (dynamo then
+    wraps the error in ``BackendCompilerFailed``).
+    """
+    return Backend(BackendOptions.from_mapping(options), options)
 
 
 _register_lock = threading.Lock()
@@ -130,10 +190,12 @@ def register() -> bool:
 def backend_stats() -> dict[str, Any]:
     """What the backend holds now: subgraphs by state, fallback reasons, compiles, graphs, memory.
 
-    Keys: ``subgraphs``, ``graphed``, ``lazy``, ``ungraphed`` (reason -> count),
-    ``compiles`` and ``compile_seconds`` (process totals), ``graphs`` (captured
-    bucket graphs), ``pool_bytes`` (their graph-pool memory), ``piecewise``
-    (:func:`piecewise_stats`). Cost: walks the allocator's segments (milliseconds).
+    Keys: ``subgraphs``, ``graphed`` (bucketed graphs), ``trees`` (:func:`trees_stats`:
+    the subgraphs that need autograd, graphed by CUDA-graph trees), ``lazy``,
+    ``ungraphed`` (reason -> count), ``compiles`` and ``compile_seconds`` (process
+    totals), ``graphs`` (captured bucket graphs), ``pool_bytes`` (their graph-pool
+    memory), ``piecewise`` (:func:`piecewise_stats`). Cost: walks the allocator's
+    segments (milliseconds).
     """
     subs = live_subgraphs()
     ungraphed: dict[str, int] = {}
@@ -144,6 +206,7 @@ def backend_stats() -> dict[str, Any]:
     return {
         "subgraphs": len(subs),
         "graphed": sum(s.state is SubgraphState.GRAPHED for s in subs),
+        "trees": trees_stats(subs),
         "lazy": sum(s.state is SubgraphState.LAZY for s in subs),
         "ungraphed": ungraphed,
         "compiles": compiles,
@@ -180,6 +243,21 @@ def piecewise_stats(subs: list[Any] | None = None) -> dict[str, Any]:
     out["calls"] = calls
     out["piece_status"] = [line for f in frames for line in f["piece_status"]]
     return out
+
+
+def trees_stats(subs: list[Any] | None = None) -> dict[str, Any]:
+    """The autograd path's figures: subgraphs graphed by CUDA-graph trees and their forward calls.
+
+    ``subgraphs``; ``calls`` (forward calls; backward calls run inside autograd and
+    are not seen); ``unused_backwards`` (forward calls in grad mode whose autograd
+    graph was freed without a backward: inference in grad mode). The trees' own
+    graphs are counted in ``gfxgraph.stats()`` (captures, replays) while
+    ``gfxgraph.enable()`` is on, and their memory in its ``graph_pool_bytes``.
+    """
+    subs = live_subgraphs() if subs is None else subs
+    trees = [s for s in subs if s.state is SubgraphState.TREES]
+    return {"subgraphs": len(trees), "calls": sum(s.tree_calls for s in trees),
+            "unused_backwards": sum(s.unused_backwards for s in trees)}
 
 
 def compiled_subgraphs() -> list[CompiledSubgraph]:

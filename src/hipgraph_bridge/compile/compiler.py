@@ -1,4 +1,12 @@
-"""Compiling one dynamo subgraph: inductor (its own CUDA graphs off), ``aot_eager``, or as traced."""
+"""Compiling one dynamo subgraph: inductor (its own CUDA graphs off), ``aot_eager``, or as traced.
+
+A subgraph that needs autograd (grad mode on, an input requiring grad) is compiled
+with ``trees=True``: inductor then records its forward and backward graphs with its
+CUDA-graph trees, as ``mode="reduce-overhead"`` does (``aot_eager``: dynamo's
+``cudagraphs`` backend, the same trees over AOT autograd's graphs). The trees make
+their graphs with ``torch.cuda.CUDAGraph``, gfxgraph's safe class once
+``gfxgraph.enable()`` has swapped it in.
+"""
 
 from __future__ import annotations
 
@@ -16,12 +24,14 @@ __all__ = ["compile_graph"]
 
 
 def compile_graph(gm: torch.fx.GraphModule, args: list[Any], opts: BackendOptions, *,
-                   on_cpu: bool) -> tuple[Callable[..., Any], str, str]:
+                  on_cpu: bool, trees: bool = False) -> tuple[Callable[..., Any], str, str]:
     """Compile ``gm`` with ``opts.compiler``; returns (function, compiler used, failure or "").
 
-    An inductor failure falls back to the traced graph run as it is, without
-    graphs (the caller records it as ``compile_failed``): a backend bug must not
-    stop the model.
+    ``trees``: graph the compiled function with CUDA-graph trees (forward and
+    backward, a recording per shape), for subgraphs that need autograd; the
+    ``"eager"`` compiler has no trees (the caller does not ask). An inductor
+    failure falls back to the traced graph run as it is, without graphs (the
+    caller records it as ``compile_failed``): a backend bug must not stop the model.
     """
     compiler = opts.compiler
     if compiler == "inductor" and on_cpu and (why := cpp_compiler_problem()):
@@ -31,7 +41,8 @@ def compile_graph(gm: torch.fx.GraphModule, args: list[Any], opts: BackendOption
         compiler = "eager"
     if compiler == "inductor":
         try:
-            return compile_fx(gm, args, opts.inductor_patches()), "inductor", ""
+            patches = opts.tree_patches() if trees else opts.inductor_patches()
+            return compile_fx(gm, args, patches), "inductor", ""
         except Exception as exc:
             if is_dynamo_signal(exc):
                 raise
@@ -39,5 +50,7 @@ def compile_graph(gm: torch.fx.GraphModule, args: list[Any], opts: BackendOption
                            "without graphs", type(exc).__name__, exc)
             return gm.forward, "eager", f"inductor failed: {type(exc).__name__}: {exc}"
     if compiler == "aot_eager":
-        return lookup_backend("aot_eager")(gm, args), "aot_eager", ""
+        # dynamo's "cudagraphs" backend: AOT autograd's graphs, run as traced, recorded by the trees (which
+        # have nothing to record on a CPU: there the plain backend spares their "skipping" notice)
+        return lookup_backend("cudagraphs" if trees and not on_cpu else "aot_eager")(gm, args), "aot_eager", ""
     return gm.forward, "eager", ""

@@ -182,6 +182,11 @@ class BackendOptions:
         """Config patches for ``compile_fx``: mode's, then the user's, then CUDA graphs off."""
         return {**dict(self.mode_config), **dict(self.inductor_config), "triton.cudagraphs": False}
 
+    def tree_patches(self) -> dict[str, Any]:
+        """Config patches for a subgraph that needs autograd: as :meth:`inductor_patches`, with inductor's
+        CUDA-graph trees on (``mode="reduce-overhead"``'s graphs: forward and backward, one per shape)."""
+        return {**dict(self.mode_config), **dict(self.inductor_config), "triton.cudagraphs": True}
+
 
 _PIECEWISE_ONLY = ("splitting_ops", "token_dim", "token_buckets", "max_tokens")
 

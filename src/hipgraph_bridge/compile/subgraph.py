@@ -15,6 +15,17 @@ Workflow of :class:`CompiledSubgraph`:
 4. Fall back to the compiled function without graphs, counted and logged
    once per cause, where graphs would be wrong or impossible (see
    :meth:`CompiledSubgraph._why_ungraphed` and the first padded call's check).
+
+A subgraph that needs autograd (grad mode on and an input, usually a
+parameter, requiring grad) takes another path, :attr:`SubgraphState.TREES`:
+inductor's CUDA-graph trees record its forward and, when backward runs, its
+backward graph, as ``mode="reduce-overhead"`` does (a recording per distinct
+shape, no padding, no bucket pool; trees' own rules on when a recording
+replays). The trees make their graphs with ``torch.cuda.CUDAGraph``: gfxgraph's
+safe class while ``gfxgraph.enable()`` is on. Each forward call of the path
+watches its autograd graph; one freed without a backward having run through it
+is inference in grad mode, reported once (WARNING) with the fix: under
+``torch.no_grad()``/``torch.inference_mode()`` the same model gets bucketed graphs.
 """
 
 from __future__ import annotations
@@ -50,6 +61,7 @@ __all__ = ["CompiledSubgraph", "SubgraphState", "live_subgraphs", "compile_count
 class SubgraphState(enum.Enum):
     LAZY = "lazy"  # every shape specialised: the traced graph runs eagerly until static_compile_after
     GRAPHED = "graphed"  # compiled, served through bucket pools
+    TREES = "trees"  # needs autograd: compiled with inductor's CUDA-graph trees (forward and backward)
     UNGRAPHED = "ungraphed"  # compiled, called directly (reason in CompiledSubgraph.reason)
 
 
@@ -90,6 +102,8 @@ class CompiledSubgraph(FallsBack):
         self._variants: dict[tuple[Any, ...], _Variant] = {}
         self._lazy_calls = 0
         self._writes_state = False  # the graph writes to ref inputs (set at compile)
+        self.tree_calls = 0  # forward calls on the TREES path
+        self.unused_backwards = 0  # TREES: autograd graphs of forward calls freed without a backward
         p = self.plan
         # tensors dynamo tied to the batch, then those that merely equal it (checked per call)
         self._batched_idx = p.indices("batched") + [i for i in p.indices("batch_like")
@@ -132,11 +146,13 @@ class CompiledSubgraph(FallsBack):
         fx_mutated = fx_mutated_inputs(gm)
         if self.opts.graphs:  # before compiling: the graph as dynamo traced it
             self.verdict = self._row_analysis(gm, args)
+        trees = self._precompiled is None and self._wants_trees()
         t0 = time.perf_counter()
         if self._precompiled is not None:
             fn, self.compiler, failure = self._precompiled, "piecewise", ""
         else:
-            fn, self.compiler, failure = compile_graph(gm, args, self.opts, on_cpu=self.plan.devices == {"cpu"})
+            fn, self.compiler, failure = compile_graph(gm, args, self.opts, on_cpu=self.plan.devices == {"cpu"},
+                                                       trees=trees)
         seconds = time.perf_counter() - t0
         self.compile_seconds += seconds
         _registry.count_compile(seconds)
@@ -154,11 +170,21 @@ class CompiledSubgraph(FallsBack):
         if self._ranks is not None:
             why = self._agreed_why(self._ranks, why)
         if why is None:
-            self.state = SubgraphState.GRAPHED
+            self.state = SubgraphState.TREES if trees else SubgraphState.GRAPHED
         else:
             self._ungraph(why)
         logger.debug("gfxgraph backend: compiled a subgraph with %s in %.2f s (%s%s)", self.compiler,
                      self.compile_seconds, self.state.value, f": {self.reason}" if self.reason else "")
+
+    def _wants_trees(self) -> bool:
+        """Whether this subgraph takes the autograd path: CUDA-graph trees (forward and backward graphs).
+
+        It needs autograd, graphs are on, the compiler has trees (not ``"eager"``), no collective
+        (trees do not agree with other ranks) and, on a GPU machine, every input on the GPU.
+        """
+        p, o = self.plan, self.opts
+        return (p.requires_grad and o.graphs and o.compiler != "eager" and not p.collectives
+                and not (probe().graphs_available and p.devices != {"cuda"}))
 
     def _row_analysis(self, gm: torch.fx.GraphModule, args: list[Any]) -> RowVerdict:
         """Whether the graph's rows are independent, from the graph itself run on fake tensors (no user code)."""
@@ -181,9 +207,7 @@ class CompiledSubgraph(FallsBack):
         if failure:
             return Fallback(Reason.COMPILE_FAILED, failure, logging.WARNING)
         if p.requires_grad:
-            return Fallback(Reason.TRAINING, "grad mode is on and an input requires grad: the compiled function "
-                            "runs without graphs (backward works); call under torch.no_grad() or "
-                            "torch.inference_mode(), or requires_grad_(False), for graphs", logging.INFO)
+            return self._why_no_trees()
         if p.collectives and o.process_group is None:
             return Fallback(Reason.COLLECTIVES, f"the graph calls torch.distributed collectives "
                             f"({', '.join(p.collectives)}): a graph of it is safe only if every rank picks the same "
@@ -204,6 +228,25 @@ class CompiledSubgraph(FallsBack):
             what = (f"the fixed batch size {p.fixed_batch}" if p.fixed_batch is not None
                     else f"the batch sizes this frame admits {p.batch_range}")
             return Fallback(Reason.OVERSIZE, f"no bucket fits {what}", logging.INFO)
+        return None
+
+    def _why_no_trees(self) -> Fallback | None:
+        """Why a subgraph that needs autograd runs without graphs (None: the trees serve it)."""
+        p, o = self.plan, self.opts
+        if p.collectives:
+            return Fallback(Reason.COLLECTIVES, f"the graph calls torch.distributed collectives "
+                            f"({', '.join(p.collectives)}) and needs autograd: CUDA-graph trees do not agree with "
+                            "other ranks, so it runs compiled without graphs (backward works)", logging.WARNING)
+        if o.compiler == "eager":
+            return Fallback(Reason.TRAINING, "grad mode is on and an input requires grad, and "
+                            "options={'compiler': 'eager'} runs the traced graph as it is: graphs for autograd "
+                            "(CUDA-graph trees) need compiler 'inductor' or 'aot_eager'", logging.INFO)
+        if probe().graphs_available and p.devices != {"cuda"}:
+            return Fallback(Reason.CPU_INPUTS, f"inputs on {', '.join(sorted(p.devices))}: graphs need every "
+                            "tensor input on the GPU", logging.INFO)
+        if self._precompiled is not None:
+            return Fallback(Reason.TRAINING, "grad mode is on and an input requires grad in a frame served by "
+                            "its split pieces: it runs compiled without graphs (backward works)", logging.INFO)
         return None
 
     def _agreed_why(self, ranks: RankSession, why: Fallback | None) -> Fallback | None:
@@ -230,10 +273,24 @@ class CompiledSubgraph(FallsBack):
             if out is not _UNGRAPHED:
                 return out
             state = self.state
+        if state is SubgraphState.TREES:
+            return self._tree_call(args)
         if state is SubgraphState.UNGRAPHED:
             stats.record_fallback(self.fallback or _UNGRAPHED_FALLBACK)
             return self._fn(*args)
         return self._lazy(args)
+
+    def _tree_call(self, args: tuple[Any, ...]) -> Any:
+        """The autograd path: the trees-compiled function, its autograd graph watched for a backward."""
+        self.tree_calls += 1
+        if self.unused_backwards:
+            _warn_inference_in_grad_mode()
+        if not probe().graphs_available:
+            stats.record_fallback(Fallback(Reason.NO_GPU, probe().reason or ""))
+        out = self._fn(*args)
+        if torch.is_grad_enabled():
+            _watch_backward(self, out)
+        return out
 
     def _lazy(self, args: tuple[Any, ...]) -> Any:
         with self._lock:
@@ -394,6 +451,49 @@ class CompiledSubgraph(FallsBack):
         why = f", reason={str(self.reason)!r}" if self.reason else ""
         return (f"CompiledSubgraph(state={self.state.value}{why}, compiler={self.compiler}, "
                 f"buckets={self.buckets}, captured={self.captured_buckets})")
+
+
+class _BackwardWatch:
+    """A pre-hook on a forward call's autograd node: notes whether a backward ran through it.
+
+    Freed with the autograd graph; one freed before any backward ran through it counts on its
+    subgraph (``unused_backwards``). ``__del__`` only counts: it may run inside any allocation,
+    so the warning is logged by the subgraph's next call, never here.
+    """
+
+    __slots__ = ("sub", "ran")
+
+    def __init__(self, sub: CompiledSubgraph) -> None:
+        self.sub = weakref.ref(sub)
+        self.ran = False
+
+    def __call__(self, grad_outputs: Any) -> None:
+        self.ran = True
+
+    def __del__(self) -> None:
+        if not self.ran:
+            sub = self.sub()
+            if sub is not None:
+                sub.unused_backwards += 1
+
+
+def _watch_backward(sub: CompiledSubgraph, out: Any) -> None:
+    """Hook the autograd node of ``out``'s first tensor that has one (every output of an AOT-compiled
+    function shares it). Cost: one small object and a hook per forward call in grad mode."""
+    for leaf in pytree.tree_leaves(out):
+        if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:
+            leaf.grad_fn.register_prehook(_BackwardWatch(sub))
+            return
+
+
+def _warn_inference_in_grad_mode() -> None:
+    log_once(("gfxgraph-backend-inference-in-grad-mode",), logging.WARNING,
+             "gfxgraph backend: a compiled subgraph ran in grad mode with inputs (parameters) requiring grad, and "
+             "its autograd graph was freed without a backward: inference in grad mode. It is served as "
+             "mode='reduce-overhead' serves it (CUDA-graph trees: a recording per batch size, and no replay while "
+             "an earlier call's outputs are alive and wait for a backward). For inference, call the model under "
+             "torch.no_grad() or torch.inference_mode(): gfxgraph then serves it with bucketed graphs (one per "
+             "bucket, padded, one compilation for every batch size)")
 
 
 _UNGRAPHED = object()  # _graphed's answer when the subgraph just turned UNGRAPHED
