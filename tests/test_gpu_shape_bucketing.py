@@ -57,7 +57,8 @@ def test_multi_input_multi_output_kwargs():
         # h.mean() reduces over the batch: the first call's trace finds it, so nothing is ever padded:
         # each batch size gets a graph of exactly its rows
         torch.testing.assert_close(got_mean, want_mean)
-    assert pool.unpadded[()].reason == "rows_coupled" and "aten.mean" in pool.unpadded[()].detail
+    key = (0.5,)  # the constant argument scale=0.5 is the key
+    assert pool.unpadded[key].reason == "rows_coupled" and "aten.mean" in pool.unpadded[key].detail
     assert pool.captured_buckets == [1, 3, 8, 13, 16]
     assert gfxgraph.stats()["fallback_reasons"] == {"rows_coupled": 1}
 
