@@ -13,8 +13,9 @@ def arithmetic_step(tokens: torch.Tensor, position: torch.Tensor) -> torch.Tenso
 
 
 def host_loop(step, tokens, position, n, *, eos=None, pad=None, unfinished=None):
-    """Greedy decoding as generate(do_sample=False) does it, one host check per token."""
-    pad = eos if pad is None else pad
+    """Greedy decoding as generate(do_sample=False) does it, one host check per token (``eos``: an id or a list)."""
+    ids = None if eos is None else torch.tensor([eos] if isinstance(eos, int) else list(eos), device=tokens.device)
+    pad = (None if eos is None else int(ids[0])) if pad is None else pad
     tok = tokens.clone()
     alive = torch.ones_like(tok, dtype=torch.bool) if unfinished is None else unfinished.clone()
     out = []
@@ -24,7 +25,7 @@ def host_loop(step, tokens, position, n, *, eos=None, pad=None, unfinished=None)
         nxt = step(tok, torch.tensor(position + i, device=tok.device)).long()
         if eos is not None:
             nxt = torch.where(alive, nxt, pad)
-            alive &= nxt != eos
+            alive &= ~torch.isin(nxt, ids)
         out.append(nxt)
         tok = nxt
     return torch.stack(out, 1) if out else torch.empty(tok.shape[0], 0, dtype=torch.long, device=tok.device)

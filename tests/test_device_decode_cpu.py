@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from _decode_steps import arithmetic_step, host_loop
+from _tiny_llama import tiny_llama
 from gfxgraph.hf import StaticCacheDecoder
 from hipgraph_bridge.generation import DeviceDecodeLoop
 
@@ -44,6 +45,19 @@ def test_a_batch_whose_sequences_end_at_different_steps_stops_when_the_last_ends
     ref = host_loop(arithmetic_step, FIRST, 5, 40, eos=eos)
     assert torch.equal(got, ref)
     assert got.shape[1] == max(ends) + 1 < 40  # stopped on the device at the last sequence's EOS
+
+
+def test_several_eos_ids_any_of_which_ends_a_sequence():
+    want = host_loop(arithmetic_step, FIRST, 5, 40).tolist()
+    a, b = want[0][2], want[1][5]  # row 0 ends by a at its third token, row 1 by b (or a) by its sixth
+    ref = host_loop(arithmetic_step, FIRST, 5, 40, eos=[a, b], pad=0)
+    for eos in ([a, b], (a, b), torch.tensor([a, b])):
+        got = _loop(chunk=4).generate(FIRST, 5, max_new_tokens=40, eos_token_id=eos, pad_token_id=0)
+        assert torch.equal(got, ref), eos
+    assert got[0, 3:].eq(0).all() and got[1, 6:].eq(0).all()
+    assert not torch.equal(ref, host_loop(arithmetic_step, FIRST, 5, 40, eos=a, pad=0))  # b matters
+    with pytest.raises(ValueError, match="at most 8 ids"):
+        _loop().generate(FIRST, 5, max_new_tokens=4, eos_token_id=list(range(9)))
 
 
 def test_chunks_stream_one_tensor_per_launch():
@@ -108,8 +122,9 @@ def test_a_step_that_returns_no_token_ids_is_named():
                                       (dict(device_loop=8, graphs=False), "device_loop: expected graphs=True"),
                                       (dict(strategy="x"), "strategy: expected one of")])
 def test_decoder_device_loop_options_checked(kw, match):
+    transformers = pytest.importorskip("transformers")
     with pytest.raises(ValueError, match=match):
-        StaticCacheDecoder(object(), max_cache_len=8, **kw)
+        StaticCacheDecoder(tiny_llama(transformers, device="cpu"), max_cache_len=8, **kw)
 
 
 def test_arguments_are_checked_when_chunks_is_called_not_at_the_first_next():

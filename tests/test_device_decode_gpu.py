@@ -89,6 +89,22 @@ def test_eos_inside_a_launch_stops_each_sequence_at_its_step(strategy):
     assert loop.launches == 1
 
 
+@pytest.mark.parametrize("strategy", ["native", "host"])
+def test_several_eos_ids_end_sequences_like_the_host_loop(strategy):
+    """The fused WHILE step (native) and the torch body (host) compare each token with up to 8 EOS ids."""
+    strategy = _strategy(strategy)
+    with torch.no_grad():
+        first = torch.tensor([1, 2, 3], device="cuda")
+        plain = host_loop(arithmetic_step, first, 5, 40).tolist()
+        eos = [plain[0][2], plain[1][5], 10_000, 10_001, 10_002, 10_003, 10_004, plain[2][7]]  # 8: every slot
+        loop = DeviceDecodeLoop(arithmetic_step, batch_size=3, chunk=64, strategy=strategy)
+        got = loop.generate(first, 5, max_new_tokens=40, eos_token_id=torch.tensor(eos), pad_token_id=VOCAB)
+        want = host_loop(arithmetic_step, first, 5, 40, eos=eos, pad=VOCAB)
+    assert loop.strategy == strategy, loop.strategy_reason
+    assert torch.equal(got, want)
+    assert got.shape[1] <= 8 and all(any(t in eos for t in row) for row in got.tolist())  # each ended by an id
+
+
 def test_native_launch_runs_the_steps_on_the_device_and_keeps_memory_in_its_pool(lm):
     _strategy("native")
     with torch.no_grad():
@@ -187,8 +203,8 @@ def test_static_cache_decoder_device_loop_equals_eager(llama, b, strategy):
     dev = StaticCacheDecoder(llama, max_cache_len=96, device_loop=16, strategy=strategy)
     for seed in (0, 1):  # the second generation re-uses the cache: its write position must start over
         ids = _prompt(b, seed)
-        want = eager.generate(ids, max_new_tokens=40)
-        got = dev.generate(ids, max_new_tokens=40)
+        want = eager.generate(ids, max_new_tokens=40, eos_token_id=None)
+        got = dev.generate(ids, max_new_tokens=40, eos_token_id=None)
         assert torch.equal(got, want), (b, seed)
     eos = int(want[0, 5])  # ends row 0 inside the first launch of the loop
     assert torch.equal(dev.generate(ids, max_new_tokens=40, eos_token_id=eos, pad_token_id=0),

@@ -78,15 +78,16 @@ def test_static_cache_decoder_equals_transformers_generate(model):
     for b in (1, 3):
         ids = _prompt(b)
         want = _generate(model, ids, disable_compile=True)[:, PROMPT:]
-        got = dec.generate(ids, max_new_tokens=NEW)
+        got = dec.generate(ids, max_new_tokens=NEW, eos_token_id=None)  # None: no EOS, as min_new_tokens=NEW
         assert torch.equal(got, want), b
-        assert torch.equal(dec.generate(ids, max_new_tokens=NEW), want)  # the cache is reset every time
+        assert torch.equal(dec.generate(ids, max_new_tokens=NEW, eos_token_id=None), want)  # cache reset each time
     assert sorted(dec._slots) == [1, 3] and all(s.pool.captured_buckets for s in dec._slots.values())
 
 
 def test_static_cache_decoder_stops_each_sequence_at_eos_like_eager(model):
     ids = _prompt(4, seed=7)
-    free = StaticCacheDecoder(model, max_cache_len=PROMPT + NEW + 8, graphs=False).generate(ids, max_new_tokens=NEW)
+    free = StaticCacheDecoder(model, max_cache_len=PROMPT + NEW + 8, graphs=False).generate(ids, max_new_tokens=NEW,
+                                                                                          eos_token_id=None)
     eos = int(free[2, 5])  # a token sequence 2 produces mid-way: it (and any other that produces it) ends there
     want = StaticCacheDecoder(model, max_cache_len=PROMPT + NEW + 8, graphs=False).generate(
         ids, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0)

@@ -29,6 +29,7 @@ transformers is imported only when these are used (it is not a dependency of gfx
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -39,8 +40,10 @@ from hipgraph_bridge import ShapeBucketPool
 from hipgraph_bridge.compile import BackendOptions
 from hipgraph_bridge.compile.backend import register
 from hipgraph_bridge.conditional.loop import LOOP_STRATEGIES
+from hipgraph_bridge.checks import check_token_ids
 from hipgraph_bridge.errors import ConfigError
 from hipgraph_bridge.generation import DeviceDecodeLoop
+from hipgraph_bridge.generation.device_loop import EosIds
 
 __all__ = ["compile_config", "StaticCacheDecoder"]
 
@@ -70,6 +73,23 @@ def compile_config(*, dynamic: bool | None = None, fullgraph: bool = False, **op
                                       dynamic=dynamic, fullgraph=fullgraph)
 
 
+FROM_CONFIG: Any = object()
+"""``StaticCacheDecoder.generate``'s default EOS: the model's ``generation_config.eos_token_id``."""
+
+
+def _check_causal_lm(model: Any) -> None:
+    """Raise ``TypeError`` unless ``model`` is a transformers causal LM (decoder-only, with ``generate()``).
+
+    A transformers model exists only once transformers is imported, so nothing is imported here."""
+    tf = sys.modules.get("transformers")
+    ok = (tf is not None and isinstance(model, tf.PreTrainedModel) and isinstance(model, tf.GenerationMixin)
+          and not getattr(model.config, "is_encoder_decoder", False))
+    if not ok:
+        raise TypeError(f"model: expected a transformers causal LM (a decoder-only PreTrainedModel with generate(), "
+                        f"e.g. transformers.AutoModelForCausalLM.from_pretrained(...)), got "
+                        f"{type(model).__module__}.{type(model).__qualname__}")
+
+
 @dataclass
 class _Slot:
     """What one batch size owns: its cache, the step over it, and (with graphs) the step's zero-copy inputs
@@ -88,7 +108,9 @@ class StaticCacheDecoder:
 
     Args:
         model: a transformers causal LM (``model(input_ids=..., position_ids=...,
-            cache_position=..., past_key_values=cache)`` returning ``.logits``).
+            cache_position=..., past_key_values=cache)`` returning ``.logits``): a
+            ``PreTrainedModel`` with ``generate()`` that is not an encoder-decoder,
+            checked here (``TypeError`` otherwise).
         max_cache_len: the cache length; a generation's prompt plus new tokens must fit.
         graphs: False runs the same decode loop eagerly (the reference the tests compare with).
         device_loop: decode up to this many tokens per graph launch, EOS checked on the
@@ -103,6 +125,7 @@ class StaticCacheDecoder:
 
     def __init__(self, model: Any, *, max_cache_len: int, graphs: bool = True, device_loop: int | None = None,
                  strategy: str = "auto") -> None:
+        _check_causal_lm(model)
         if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 2:
             raise ValueError(f"max_cache_len: expected an int >= 2, got {max_cache_len!r}")
         if device_loop is not None:
@@ -186,16 +209,23 @@ class StaticCacheDecoder:
         loop.capture()  # runs the step: generate() resets the cache
         return _Slot(cache, step, None, None, time.perf_counter() - t0, loop)
 
-    def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token_id: int | None = None,
+    def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token_id: EosIds | object = FROM_CONFIG,
                  pad_token_id: int | None = None) -> torch.Tensor:
         """Greedy tokens after the prompt, shape ``(batch, n)`` with ``n <= max_new_tokens``.
 
         Every row's prompt is ``n`` real tokens (no padding, no attention mask:
         batch prompts of equal length; left-padded prompts would differ from
         ``generate()``, which masks the padding). As ``generate(do_sample=False)`` does: a sequence that produced
-        ``eos_token_id`` gets ``pad_token_id`` (default: the EOS id) from then on,
+        an EOS id gets ``pad_token_id`` (default: the first EOS id) from then on,
         and decoding stops when every sequence has ended. The host reads one
         flag per token for that (as transformers does); without an EOS id it reads nothing.
+
+        ``eos_token_id`` takes what transformers takes: an int, a list or tuple of
+        ints (any of them ends a sequence; many checkpoints' generation configs
+        carry a list), or an integer tensor. Left out, it is the model's
+        ``generation_config.eos_token_id``; ``None`` given explicitly means no EOS
+        (every sequence runs ``max_new_tokens``). The device loop compares with up
+        to 8 EOS ids.
         With ``device_loop=K`` the EOS check is on the device and the host reads
         three numbers per launch of up to K tokens.
         """
@@ -209,32 +239,48 @@ class StaticCacheDecoder:
         if n + max_new_tokens > self.max_cache_len:
             raise ValueError(f"a prompt of {n} tokens plus max_new_tokens={max_new_tokens} needs a cache of "
                              f"{n + max_new_tokens}; expected at most max_cache_len={self.max_cache_len}")
+        eos = self._eos_ids(eos_token_id)
+        if pad_token_id is not None and (isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int)
+                                         or pad_token_id < 0):
+            raise ValueError(f"pad_token_id: expected None or an int >= 0, got {pad_token_id!r}")
         slot = self._slot(b)
         with torch.no_grad():
-            return self._decode(slot, input_ids, max_new_tokens, eos_token_id,
-                                eos_token_id if pad_token_id is None else pad_token_id)
+            return self._decode(slot, input_ids, max_new_tokens, eos,
+                                (eos[0] if eos else None) if pad_token_id is None else pad_token_id)
 
-    def _decode(self, slot: _Slot, input_ids: torch.Tensor, new: int, eos: int | None, pad: int | None) -> torch.Tensor:
+    def _eos_ids(self, eos_token_id: Any) -> tuple[int, ...]:
+        """The EOS ids of a generation (empty: none), from the argument or the model's generation config."""
+        if eos_token_id is FROM_CONFIG:
+            config = getattr(self.model, "generation_config", None)
+            eos_token_id = getattr(config, "eos_token_id", None)
+            if eos_token_id is None:
+                return ()
+            return check_token_ids("model.generation_config.eos_token_id", eos_token_id)
+        return () if eos_token_id is None else check_token_ids("eos_token_id", eos_token_id)
+
+    def _decode(self, slot: _Slot, input_ids: torch.Tensor, new: int, eos_ids: tuple[int, ...],
+                pad: int | None) -> torch.Tensor:
         b, n = input_ids.shape
         slot.cache.reset()  # whatever capture, warm-up or an earlier generation wrote
         logits = self.model(input_ids=input_ids, cache_position=torch.arange(n, device=input_ids.device),
                             past_key_values=slot.cache, use_cache=True).logits
         tok = logits[:, -1, :].argmax(dim=-1)
         unfinished = torch.ones(b, dtype=torch.bool, device=input_ids.device)
+        ends = bool(eos_ids)  # without an EOS id nothing ends: no pad id, no mask, no host read
+        eos = torch.tensor(eos_ids, dtype=torch.long, device=input_ids.device)
         if slot.loop is not None:  # the prefill's token on the host side, the rest in launches of the loop
-            if eos is not None:
-                unfinished &= tok != eos
-            ends = eos is not None  # without an EOS id nothing ends: the loop takes no pad id or mask
-            rest = slot.loop.generate(tok, n, max_new_tokens=new - 1, eos_token_id=eos,
+            if ends:
+                unfinished &= ~torch.isin(tok, eos)
+            rest = slot.loop.generate(tok, n, max_new_tokens=new - 1, eos_token_id=list(eos_ids) if ends else None,
                                       pad_token_id=pad if ends else None, unfinished=unfinished if ends else None)
             return torch.cat([tok.view(b, 1), rest], dim=1)
         out = torch.empty(b, new, dtype=torch.long, device=input_ids.device)
         for i in range(new):
-            if eos is not None:
+            if ends:
                 tok = torch.where(unfinished, tok, pad)
-                unfinished &= tok != eos
+                unfinished &= ~torch.isin(tok, eos)
             out[:, i] = tok
-            if i == new - 1 or (eos is not None and not bool(unfinished.any())):
+            if i == new - 1 or (ends and not bool(unfinished.any())):
                 return out[:, :i + 1]
             tok = self._step(slot, tok, n + i)
         return out

@@ -88,7 +88,7 @@ def run_case(model: Any, b: int, rounds: int) -> dict[str, Any]:
             if isinstance(m, StaticCacheDecoder):
                 m.capture(b)
             capture[label] = time.perf_counter() - t0
-        ref = modes["eager"].generate(ids, max_new_tokens=NEW)
+        ref = modes["eager"].generate(ids, max_new_tokens=NEW, eos_token_id=None)
         used = set(ref.flatten().tolist())
         eos = next(t for t in range(model.config.vocab_size) if t not in used)  # never produced: all 256 decode
         times: dict[str, list[float]] = {label: [] for label in modes}

@@ -44,7 +44,7 @@ def run_mode(model: Any, mode: str, reps: int) -> dict[str, Any]:
         def call() -> torch.Tensor:
             with torch.no_grad():
                 if decoder is not None:
-                    return decoder.generate(ids, max_new_tokens=NEW)
+                    return decoder.generate(ids, max_new_tokens=NEW, eos_token_id=None)  # no EOS: min_new_tokens
                 return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
                                       min_new_tokens=NEW, do_sample=False, cache_implementation="static",
                                       pad_token_id=0, **kw)[:, PROMPT:]

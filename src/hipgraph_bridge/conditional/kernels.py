@@ -111,7 +111,9 @@ extern "C" __global__ void gfxgraph_loop_step(cudaGraphConditionalHandle handle,
 }
 
 /* control = {column written this launch, steps allowed this launch, any sequence going};
-   eos_pad = {EOS id (-1: none), pad id}; out is (batch, chunk) row-major; one block of >= batch threads. */
+   eos_pad = {GFXGRAPH_MAX_EOS EOS ids (-1: unused slot), pad id}; out is (batch, chunk) row-major;
+   one block of >= batch threads. */
+#define GFXGRAPH_MAX_EOS 8
 extern "C" __global__ void gfxgraph_decode_step(cudaGraphConditionalHandle handle, const long long* nxt,
                                                 long long* tokens, long long* out, long long* control,
                                                 long long* position, unsigned char* unfinished,
@@ -121,8 +123,10 @@ extern "C" __global__ void gfxgraph_decode_step(cudaGraphConditionalHandle handl
     int alive = 0;
     if (b < batch) {
         const bool going = unfinished[b] != 0;
-        const long long t = going ? nxt[b] : eos_pad[1];
-        const bool still = going && t != eos_pad[0];
+        const long long t = going ? nxt[b] : eos_pad[GFXGRAPH_MAX_EOS];
+        bool eos = false;
+        for (int i = 0; i < GFXGRAPH_MAX_EOS; ++i) eos = eos || t == eos_pad[i];
+        const bool still = going && !eos;
         unfinished[b] = still ? 1 : 0;
         out[(long long)b * chunk + col] = t;
         tokens[b] = t;
@@ -141,6 +145,7 @@ extern "C" __global__ void gfxgraph_decode_step(cudaGraphConditionalHandle handl
 
 _KERNELS = ("gfxgraph_set_if", "gfxgraph_set_switch", "gfxgraph_loop_step", "gfxgraph_decode_step")
 DECODE_STEP_MAX_BATCH = 1024  # one block
+MAX_EOS_IDS = 8  # EOS ids the decode step compares with (GFXGRAPH_MAX_EOS in the kernel source)
 
 # Comparison operators of the loop step, by their codes in the kernel.
 COMPARE_OPS: dict[str, int] = {"nonzero": 0, "<": 1, "<=": 2, ">": 3, ">=": 4, "==": 5, "!=": 6}

@@ -42,7 +42,7 @@ from ..errors import GraphCaptureError, GraphRuntimeError
 from ..graph.capture import capture_on_stream, warm_up
 from ..log import logger
 from ..runtime import CAPTURE_MODE_THREAD_LOCAL, COND_IF, COND_SWITCH, COND_WHILE, Runtime, get_runtime
-from .kernels import DECODE_STEP_MAX_BATCH, launch, setter_kernels
+from .kernels import DECODE_STEP_MAX_BATCH, MAX_EOS_IDS, launch, setter_kernels
 
 __all__ = ["BodyPool", "NativeConditional", "side_stream", "on_stream"]
 
@@ -219,13 +219,14 @@ class NativeConditional:
         """Capture the decode loop's WHILE step (see :mod:`.kernels`): one block, a thread per sequence.
 
         ``nxt``/``tokens``: ``(batch,)`` int64; ``out``: ``(batch, chunk)`` int64; ``control``: 3 int64;
-        ``position``: one int64; ``unfinished``: ``(batch,)`` bool; ``eos_pad``: 2 int64; all contiguous.
+        ``position``: one int64; ``unfinished``: ``(batch,)`` bool; ``eos_pad``: ``MAX_EOS_IDS`` EOS ids (-1 for an
+        unused slot) then the pad id, int64; all contiguous.
         """
         batch = nxt.numel()
         if not 1 <= batch <= DECODE_STEP_MAX_BATCH:
             raise ValueError(f"decode step: expected 1..{DECODE_STEP_MAX_BATCH} sequences, got {batch}")
         shapes = {"nxt": (batch,), "tokens": (batch,), "out": (batch, out.shape[-1]), "control": (3,),
-                  "position": (), "unfinished": (batch,), "eos_pad": (2,)}
+                  "position": (), "unfinished": (batch,), "eos_pad": (MAX_EOS_IDS + 1,)}
         for name, t in (("nxt", nxt), ("tokens", tokens), ("out", out), ("control", control),
                         ("position", position), ("unfinished", unfinished), ("eos_pad", eos_pad)):
             dtype = torch.bool if name == "unfinished" else torch.int64

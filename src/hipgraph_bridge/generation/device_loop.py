@@ -21,7 +21,8 @@ still going): ``ceil(max_new_tokens / chunk)`` reads per generation at most,
 instead of one per token.
 
 Semantics are those of ``generate(do_sample=False)``: a sequence that produced
-``eos_token_id`` gets ``pad_token_id`` from then on; decoding stops when every
+``eos_token_id`` (an id, or up to 8 of them as a list, tuple or tensor: any one
+ends a sequence) gets ``pad_token_id`` from then on; decoding stops when every
 sequence has ended. The step must be deterministic and free of host syncs
 (it is captured), write any state it keeps (a static KV cache) in place, and
 keep its own write position right: a capture or warm-up runs the step, so a
@@ -42,17 +43,21 @@ would draw the same random numbers (see :mod:`hipgraph_bridge.conditional.native
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from ..checks import check_int
+from ..checks import check_int, check_token_ids
 from ..conditional import DeviceWhileLoop, LoopCondition
-from ..conditional.kernels import DECODE_STEP_MAX_BATCH
+from ..conditional.kernels import DECODE_STEP_MAX_BATCH, MAX_EOS_IDS
 from ..conditional.loop import LOOP_STRATEGIES
 from ..conditional.native_nodes import NativeConditional
 from ..tree import describe
+
+EosIds = int | Sequence[int] | torch.Tensor | None
+"""An EOS id as transformers takes it: an int, a list or tuple of ints, an integer tensor (or None)."""
+
 
 __all__ = ["DeviceDecodeLoop"]
 
@@ -94,7 +99,8 @@ class DeviceDecodeLoop:
         self.chunk = chunk
         self.launches = 0  # graph launches (host strategy: launches of the loop, one replay per step)
         long = dict(dtype=torch.long, device=dev)
-        self._eos_pad = torch.zeros(2, **long)  # set per generation; EOS -1 (no token matches) without an EOS id
+        # set per generation: MAX_EOS_IDS EOS ids (-1, which no token matches, in unused slots), then the pad id
+        self._eos_pad = torch.full((MAX_EOS_IDS + 1,), -1, **long)
         self._nxt: torch.Tensor | None = None  # the step's output in the captured body (the fused step reads it)
         self._fused = batch_size <= DECODE_STEP_MAX_BATCH
         state = (torch.zeros(batch_size, **long), torch.zeros((), **long), torch.zeros(batch_size, chunk, **long),
@@ -124,8 +130,9 @@ class DeviceDecodeLoop:
         if self._fused and self._loop.strategy == "native":  # the bookkeeping is the WHILE step's kernel
             self._nxt = nxt.reshape(self.batch_size).long().contiguous()
             return
-        nxt = torch.where(unfinished, nxt.reshape(self.batch_size).long(), self._eos_pad[1])
-        unfinished.logical_and_(nxt != self._eos_pad[0])
+        eos, pad = self._eos_pad[:MAX_EOS_IDS], self._eos_pad[MAX_EOS_IDS]
+        nxt = torch.where(unfinished, nxt.reshape(self.batch_size).long(), pad)
+        unfinished.logical_and_((nxt.view(-1, 1) != eos).all(dim=1))
         col = control[_COL:_COL + 1]
         out.index_copy_(1, col, nxt.view(self.batch_size, 1))  # column chosen on the device: no host read
         tokens.copy_(nxt)
@@ -153,13 +160,14 @@ class DeviceDecodeLoop:
         with self._lock:
             self._loop.capture()
 
-    def chunks(self, tokens: torch.Tensor, position: int, *, max_new_tokens: int, eos_token_id: int | None = None,
+    def chunks(self, tokens: torch.Tensor, position: int, *, max_new_tokens: int, eos_token_id: EosIds = None,
                pad_token_id: int | None = None, unfinished: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
         """Feed ``tokens`` at ``position`` and yield the next tokens, one ``(batch_size, k)`` tensor per
         launch (``k <= chunk``), until ``max_new_tokens`` or every sequence has ended.
 
-        A sequence ends when it produces ``eos_token_id`` and gets ``pad_token_id``
-        (default: the EOS id) from then on; ``unfinished`` (a ``(batch_size,)`` bool
+        A sequence ends when it produces ``eos_token_id`` (an int, or up to
+        ``MAX_EOS_IDS`` = 8 ids as a list, tuple or integer tensor: any of them) and
+        gets ``pad_token_id`` (default: the first EOS id) from then on; ``unfinished`` (a ``(batch_size,)`` bool
         tensor, with an EOS id) marks the sequences still going on entry (default:
         all). Each yielded tensor is a copy (one kernel). Native strategy: the host
         reads three numbers per launch; host strategy: one per step.
@@ -170,16 +178,19 @@ class DeviceDecodeLoop:
         """
         check_int("max_new_tokens", max_new_tokens, minimum=0)
         check_int("position", position)
-        for name, value in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
-            if value is not None:
-                check_int(name, value)
-        if eos_token_id is None and (pad_token_id is not None or unfinished is not None):
+        eos = () if eos_token_id is None else check_token_ids("eos_token_id", eos_token_id)
+        if len(eos) > MAX_EOS_IDS:
+            raise ValueError(f"eos_token_id: expected at most {MAX_EOS_IDS} ids (the device step compares with "
+                             f"that many), got {len(eos)}")
+        if pad_token_id is not None:
+            check_int("pad_token_id", pad_token_id)
+        if not eos and (pad_token_id is not None or unfinished is not None):
             what = "pad_token_id" if pad_token_id is not None else "unfinished"
             raise ValueError(f"{what}: expected together with eos_token_id (without an EOS no sequence ends)")
-        pad = pad_token_id if pad_token_id is not None else eos_token_id
+        pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
         with self._lock:
             self._load(tokens, position, unfinished)
-            self._eos_pad.copy_(torch.tensor([-1 if eos_token_id is None else eos_token_id, 0 if pad is None else pad]))
+            self._eos_pad.copy_(torch.tensor([*eos, *[-1] * (MAX_EOS_IDS - len(eos)), pad]))
             self._generation += 1
             return self._iterate(self._generation, max_new_tokens)
 
@@ -196,7 +207,7 @@ class DeviceDecodeLoop:
             if part is not None:
                 yield part
 
-    def generate(self, tokens: torch.Tensor, position: int, *, max_new_tokens: int, eos_token_id: int | None = None,
+    def generate(self, tokens: torch.Tensor, position: int, *, max_new_tokens: int, eos_token_id: EosIds = None,
                  pad_token_id: int | None = None, unfinished: torch.Tensor | None = None) -> torch.Tensor:
         """All of :meth:`chunks` as one ``(batch_size, n)`` tensor, ``n <= max_new_tokens``."""
         parts = list(self.chunks(tokens, position, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
