@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -244,3 +245,76 @@ def test_doctor_forced_ctypes_on_cpu_torch_is_no_native_bridge():
     report = json.loads(_cli("doctor", "--json", env={"GFXGRAPH_RUNTIME": "ctypes"}).stdout)
     assert report["native_bridge"] is False
     assert any(d.startswith("native bridge: ") for d in report["details"])
+
+
+# ------------------------------------------------------------------ messages that guide (in-process: fast)
+def _main(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_a_mistyped_command_lists_the_commands(capsys):
+    code, _, err = _main(capsys, "doctr")
+    line = _one_line(err)
+    assert code == 2
+    assert "'doctr' is neither a command nor a script file" in line
+    assert "run, doctor, version, bench" in line and "did you mean 'doctor'?" in line
+
+
+def test_the_mistyped_command_through_the_console_entry_exits_2():
+    r = _cli("doctr")
+    assert r.returncode == 2 and "commands: run, doctor, version, bench" in _last_line(r.stderr)
+
+
+def test_bench_list_of_an_unknown_suite_is_one_line(capsys):
+    code, out, err = _main(capsys, "bench", "--list", "--suite", "nosuch")
+    assert code == 2 and not out
+    line = _one_line(err)
+    assert "unknown suite(s) 'nosuch'" in line and "replay_overhead" in line
+    code, out, _ = _main(capsys, "bench", "--list", "--suite", "tier2")
+    assert code == 0 and out.startswith("tier2") and len(out.strip().splitlines()) == 1
+
+
+def test_bench_out_that_cannot_be_written_is_one_line(tmp_path: Path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for args in (("bench", "--suite", "tier2", "--out", str(blocker / "sub")),
+                 ("bench", "--render", str(tmp_path), "--out", str(blocker))):
+        if args[1] == "--render":
+            (tmp_path / "demo.json").write_text(json.dumps({"benchmark": "demo", "figures": []}))
+        code, _, err = _main(capsys, *args)
+        line = _one_line(err)
+        assert code == 2 and "cannot create the output folder" in line and str(blocker) in line, line
+
+
+@pytest.mark.skipif(GPU_SKIP_REASON is None, reason="the no-GPU message")
+@pytest.mark.parametrize("suite", ["llm_decode", "hf_generate", "device_generate", None])
+def test_gpu_suites_without_a_gpu_are_one_line_exit_2(tmp_path: Path, capsys, suite):
+    args = ("bench", "--out", str(tmp_path / "o")) + (("--suite", suite) if suite else ())
+    code, out, err = _main(capsys, *args)
+    line = _one_line(err)
+    assert code == 2 and not out
+    assert "measure GPU graphs and this machine has no usable GPU" in line
+    assert (suite or "replay_overhead") in line
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="the message without matplotlib")
+def test_bench_render_without_matplotlib_says_tables_only_and_how_to_get_plots(tmp_path: Path, capsys):
+    doc = {"benchmark": "demo", "environment": {"device": "X", "torch": "t", "date": "d"},
+           "figures": [{"name": "ratio", "value": 1.0, "unit": "", "target": None, "pass": None, "note": ""}]}
+    (tmp_path / "demo.json").write_text(json.dumps(doc))
+    code, out, _ = _main(capsys, "bench", "--render", str(tmp_path), "--out", str(tmp_path / "o"))
+    assert code == 0 and (tmp_path / "o" / "demo.md").is_file()
+    assert "wrote tables only" in out and "pip install 'gfxgraph[plot]'" in out
+
+
+def test_the_plot_extra_is_declared():
+    text = (SRC.parent / "pyproject.toml").read_text()
+    assert 'plot = ["matplotlib' in text

@@ -4,7 +4,9 @@ Each suite is a module ``gfxgraph.suites.<name>`` run as ``python -m gfxgraph.su
 it writes ``DIR/<name>.json`` (see ``gfxgraph/suites/_common.py``). This runs the chosen suites one
 after another in fresh interpreters (a crash in one cannot take the others down), then writes
 ``DIR/<name>.md`` (the table), the suite's plots (:mod:`gfxgraph.bench_charts`, when matplotlib is
-installed: ``pip install 'gfxgraph[bench]'``) and ``DIR/summary.md``. The suites ship with the
+installed: ``pip install 'gfxgraph[plot]'``) and ``DIR/summary.md``. Problems the user can fix (an
+unknown suite, an output folder that cannot be written, no GPU for suites that measure one) end in
+one line on stderr and exit code 2, never a traceback. The suites ship with the
 package, so this works from an installed gfxgraph as well as from a source checkout.
 """
 
@@ -17,6 +19,7 @@ import pkgutil
 import subprocess
 import sys
 import time
+import os
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -28,7 +31,24 @@ from gfxgraph.suites._common import child_env
 from hipgraph_bridge.log import logger
 from hipgraph_bridge.platform import probe
 
-__all__ = ["run_bench", "render_results", "find_suites", "suite_summary"]
+__all__ = ["run_bench", "render_results", "find_suites", "suite_summary", "PLOT_HINT"]
+
+PLOT_HINT = "pip install 'gfxgraph[plot]' (matplotlib)"
+
+
+def _have_matplotlib() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _output_problem(out: Path) -> str | None:
+    """Why ``out`` cannot take the results (None: it exists now, a writable folder)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create the output folder {str(out)!r}: {exc.strerror or exc}"
+    if not os.access(out, os.W_OK | os.X_OK):
+        return f"cannot write into the output folder {str(out)!r} (permission denied)"
+    return None
 
 
 def find_suites() -> dict[str, str]:
@@ -74,22 +94,27 @@ def _render(doc: dict, out: Path, stem: str) -> list[Path]:
 def run_bench(*, suites: list[str] | None, out_dir: str, list_only: bool = False) -> int:
     """Run ``suites`` (default: all) into ``out_dir``; returns a process exit code."""
     available = find_suites()
-    if list_only:
-        for name, module in available.items():
-            print(f"{name:20s} {suite_summary(module)}")
-        return 0
     chosen = suites or list(available)
     unknown = [s for s in chosen if s not in available]
     if unknown:
-        print(f"gfxgraph bench: unknown suite(s) {unknown}; expected some of {sorted(available)}", file=sys.stderr)
+        print(f"gfxgraph bench: unknown suite(s) {', '.join(map(repr, unknown))}; expected some of "
+              f"{', '.join(available)} (gfxgraph bench --list)", file=sys.stderr)
+        return 2
+    if list_only:
+        for name in chosen:
+            print(f"{name:20s} {suite_summary(available[name])}")
+        return 0
+    out = Path(out_dir)
+    problem = _output_problem(out)
+    if problem is not None:
+        print(f"gfxgraph bench: {problem}; pass --out DIR", file=sys.stderr)
         return 2
     plat = probe()
     if not plat.graphs_available:
-        print(f"gfxgraph bench: every suite measures GPU graphs and this machine has none ({plat.reason}); "
-              f"nothing to run. Suites: {', '.join(chosen)}")
-        return 0
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+        print(f"gfxgraph bench: the suite(s) {', '.join(chosen)} measure GPU graphs and this machine has no usable "
+              f"GPU ({plat.reason}); run them on a GPU machine (gfxgraph bench --render DIR draws existing "
+              "results anywhere)", file=sys.stderr)
+        return 2
     summary = ["# gfxgraph benchmarks", ""]
     failed = 0
     for name in tqdm(chosen, desc="gfxgraph bench", unit="suite"):
@@ -107,6 +132,8 @@ def run_bench(*, suites: list[str] | None, out_dir: str, list_only: bool = False
         misses = sum(1 for f in doc["figures"] if f["pass"] is False)
         summary.append(f"- {name}: {len(doc['figures'])} figures, {misses} targets missed, {seconds:.0f} s"
                        + (f", {len(plotted)} plots" if plotted else " (no plot: matplotlib not installed, or none)"))
+    if not _have_matplotlib():
+        summary.append(f"- tables only, no plots: matplotlib is not installed; for plots: {PLOT_HINT}")
     (out / "summary.md").write_text("\n".join(summary) + "\n")
     print("\n".join(summary))
     return 1 if failed else 0
@@ -119,11 +146,16 @@ def render_results(in_dir: str, out_dir: str) -> int:
     if not docs:
         print(f"gfxgraph bench --render: no *.json in {src}", file=sys.stderr)
         return 2
-    out.mkdir(parents=True, exist_ok=True)
+    problem = _output_problem(out)
+    if problem is not None:
+        print(f"gfxgraph bench --render: {problem}; pass --out DIR", file=sys.stderr)
+        return 2
     for path in docs:
         doc = json.loads(path.read_text())
         if "figures" not in doc:
             continue
         pngs = _render(doc, out, path.stem)
         print(f"{path.stem}: {out / (path.stem + '.md')}" + "".join(f", {p}" for p in pngs))
+    if not _have_matplotlib():
+        print(f"gfxgraph bench --render: wrote tables only (matplotlib is not installed); for plots: {PLOT_HINT}")
     return 0

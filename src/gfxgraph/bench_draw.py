@@ -1,6 +1,6 @@
 """Draw :class:`gfxgraph.bench_charts.Chart` objects as PNGs readable at README width (800 px).
 
-matplotlib is optional (``pip install 'gfxgraph[bench]'``): :func:`draw` returns False without it.
+matplotlib is optional (``pip install 'gfxgraph[plot]'``): :func:`draw` returns False without it.
 One colour per mode key in every chart, so a mode looks the same across suites.
 """
 
@@ -31,7 +31,7 @@ def _fmt(v: float) -> str:
 def _plain_log(axis: Any, lo: float, hi: float) -> None:
     """Log-scale ticks labelled as plain numbers (0.5, 2, 10), no minor labels: at 1, 2, 5 x 10^k
     over up to two decades, at powers of ten beyond."""
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # optional: the bench extra
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # optional: the plot extra
 
     subs = (1.0, 2.0, 5.0) if lo > 0 and hi / lo <= 200 else (1.0,)
     axis.set_major_locator(LogLocator(base=10, subs=subs, numticks=12))
@@ -41,10 +41,10 @@ def _plain_log(axis: Any, lo: float, hi: float) -> None:
 
 def _pyplot() -> Any:
     try:
-        import matplotlib  # optional: the bench extra
+        import matplotlib  # optional: the plot extra
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # optional: the bench extra
+        import matplotlib.pyplot as plt  # optional: the plot extra
     except ImportError:
         return None
     return plt

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import difflib
 import importlib.util
 import json
 import logging
@@ -202,9 +203,31 @@ def _normalise(argv: list[str]) -> tuple[list[str], list[str] | None]:
     return argv, None
 
 
+def _unknown_command(argv: list[str]) -> str | None:
+    """The one-line error for a first word that is neither a command, an option, nor a script file."""
+    if not argv or argv[0] in _COMMANDS or argv[0].startswith("-") or os.path.isfile(argv[0]):
+        return None
+    word = argv[0]
+    if word.endswith(".py") or os.sep in word:  # meant as a script: run's own message names it
+        return None
+    near = difflib.get_close_matches(word, _COMMANDS, n=1)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    return (f"gfxgraph: {word!r} is neither a command nor a script file; commands: {', '.join(_COMMANDS)} "
+            f"(gfxgraph COMMAND --help), or gfxgraph [run] script.py{hint}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
-    argv, module_args = _normalise(list(sys.argv[1:] if argv is None else argv))
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit code.
+
+    A first word that is neither a command nor a file (a typo such as ``doctr``)
+    prints one line listing the commands and returns 2.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    problem = _unknown_command(argv)
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 2
+    argv, module_args = _normalise(argv)
     args = _parser().parse_args(argv)
     if module_args is not None:
         args.target = module_args
