@@ -222,3 +222,8 @@ def test_a_pinned_graph_refuses_another_capture():
     recovery.pin_graph(g, "test")
     with pytest.raises(RuntimeError, match="kept alive until the process ends.*new graph object"):
         g._require_empty("capture_begin")
+
+
+def test_replay_parts_are_refused_before_a_capture_succeeded():
+    with pytest.raises(RuntimeError, match="expected a ready graph"):
+        SafeCUDAGraph().replay_parts()

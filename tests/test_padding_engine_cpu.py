@@ -3,6 +3,7 @@ function into its outputs, so the first-call flow, the poisoned-replay check and
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -27,6 +28,9 @@ class _Graph:
 
     def reset(self) -> None:
         pass
+
+    def replay_parts(self) -> tuple[Any, ...]:  # SafeCUDAGraph's: launch, tick, sample mask, record
+        return type(self).replay, itertools.count().__next__, 255, lambda ns: None
 
 
 class _Capturer:

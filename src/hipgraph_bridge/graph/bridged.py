@@ -31,7 +31,7 @@ import inspect
 import sys
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -241,6 +241,18 @@ class SafeCUDAGraph(OriginalCUDAGraph):  # type: ignore[misc,valid-type]
         except Exception as exc:
             raise add_hint(exc, hint.get(state, "capture the graph first")) from None
         raise RuntimeError(f"replay() on a graph in state {state.value!r} ran; this PyTorch did not refuse it")
+
+    def replay_parts(self) -> tuple[Callable[[Any], None], Callable[[], int], int, Callable[[int], None]]:
+        """What :meth:`replay` does, for a caller's own hot loop: ``(launch, tick, mask, record)``.
+
+        ``launch(graph)`` replays without any check; ``tick()`` counts the replay, and when
+        ``tick() & mask`` is 0 the caller times the launch with ``time.perf_counter_ns`` and passes
+        the nanoseconds to ``record``, as :meth:`replay` does. Valid while the graph is ready
+        (the caller must drop the parts when it is reset or recaptured); raises ``RuntimeError`` otherwise.
+        """
+        if self.state is not GraphState.READY:
+            raise RuntimeError(f"replay_parts() on a graph in state {self.state.value!r}; expected a ready graph")
+        return base_replay, self._replays.tick, _SAMPLE_MASK, stats.record_replay_ns
 
     def _install_fast_replay(self) -> None:
         # On a slow host each attribute read is ~50 ns against a ~5 us launch, so the
