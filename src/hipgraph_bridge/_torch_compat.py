@@ -98,7 +98,6 @@ __all__ = [
     "op_name",
     "generated_forward",
     "describe",
-    "current_device",
     "raw_stream_of",
     "plain_torch_function",
     "tensor_version",
@@ -181,10 +180,9 @@ def non_owning_view(t: torch.Tensor) -> torch.Tensor:
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _get_device = getattr(torch._C, "_cuda_getDevice", None)
-# The same two C functions for hot paths that inline current_raw_stream() (a Python frame is a
-# tenth of a graph launch's host time): raw_stream_of(current_device()); both None without CUDA.
-raw_stream_of: Callable[[int], int] | None = _raw_stream if _get_device is not None else None
-current_device: Callable[[], int] | None = _get_device if _raw_stream is not None else None
+# For hot paths that inline the stream check (a Python frame is a tenth of a graph launch's host
+# time): raw_stream_of(device index) is that device's current stream handle; None without CUDA.
+raw_stream_of: Callable[[int], int] | None = _raw_stream
 
 
 def tensor_version(t: torch.Tensor) -> int:

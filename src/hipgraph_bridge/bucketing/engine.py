@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from .. import config, stats
-from .._torch_compat import current_device, pytree, raw_stream_of
+from .._torch_compat import pytree, raw_stream_of
 from ..fallbacks import Fallback, Reason
 from ..graph.buckets import BucketTable
 from ..graph.capture import record_on_current_stream
@@ -93,6 +93,8 @@ class FastCall:
     copies: tuple[tuple[torch.Tensor, int], ...]  # (static view, leaf index) per tensor argument
     graph: Any  # the bucket's SafeCUDAGraph, replayed through its replay_parts() (valid with the generation)
     parts: tuple[Any, ...]
+    # the graph's device: a replay launches on that device's current stream (CUDAGraph::replay guards it)
+    device: int
     outputs: tuple[Any, ...]  # the static outputs sliced to the batch
     tree: Any  # those outputs as the call returns them uncopied (None: rebuild each call)
     rebuild: Callable[[list[Any]], Any]
@@ -118,7 +120,7 @@ class FastCall:
             return None
         lock, order = engine.lock, engine.order
         del engine  # the closure holds the engine weakly: a StaticIO must not keep a dropped pool alive
-        stream_of, device, now = raw_stream_of, current_device, time.perf_counter_ns
+        stream_of, device, now = raw_stream_of, self.device, time.perf_counter_ns
 
         # Every check runs under the pool's lock, so a concurrent call that recaptures (and moves the
         # generation) is seen; the stream check is a handle comparison (CallOrder.after_previous on a
@@ -131,7 +133,7 @@ class FastCall:
                     return slow()
                 if inputs.dirty < batch:
                     inputs.dirty = batch
-                if stream_of is None or device is None or stream_of(device()) != order.raw:
+                if stream_of is None or stream_of(device) != order.raw:
                     order.after_previous()
                 if tick() & mask:
                     launch(graph)
@@ -212,7 +214,7 @@ class BucketEngine:
         if fast is not None and fast.generation == self.generation and not (fast.padded and inputs.dirty > batch) \
                 and not config.switches.checked:
             order = self.order
-            if raw_stream_of is None or current_device is None or raw_stream_of(current_device()) != order.raw:
+            if raw_stream_of is None or raw_stream_of(fast.device) != order.raw:
                 order.after_previous()  # before the copies: the previous call may still read the buffers
             for dst, i in fast.copies:
                 src = leaves[i]
@@ -246,8 +248,9 @@ class BucketEngine:
         layout = entry.layout
         views, tree = layout.views(entry.outputs, batch)
         copies = tuple((dst, i) for dst, i, _ in inputs.plan(batch, bucket))
+        device = copies[0][0].device.index if copies and copies[0][0].device.index is not None else 0
         self.fast[batch] = FastCall(self.generation, batch, batch < bucket, copies, entry.graph,
-                                    entry.graph.replay_parts(), tuple(views),
+                                    entry.graph.replay_parts(), device, tuple(views),
                                     tree, layout.rebuild, weakref.ref(self))
 
     def _call(self, inputs: StaticInputs, leaves: list[Any], batch: int, args: tuple[Any, ...],
