@@ -101,6 +101,11 @@ __all__ = [
     "raw_stream_of",
     "plain_torch_function",
     "tensor_version",
+    "has_cache_artifacts",
+    "save_cache_artifacts",
+    "load_cache_artifacts",
+    "compile_cache_counters",
+    "maybe_mark_dynamic",
 ]
 
 # Taken at first import, before gfxgraph.enable() can swap torch.cuda.CUDAGraph.
@@ -480,3 +485,49 @@ def describe() -> dict[str, Any]:
         "raw_stream": _raw_stream is not None and _get_device is not None,
         "pointer_check": "C++" if _pointer_check() is not _pointers_equal_py else "Python",
     }
+
+
+# ------------------------------------------------------------------ compile caches (start-up)
+# torch.compiler.save_cache_artifacts / load_cache_artifacts ("mega-cache": inductor's FX graph
+# cache, the AOTAutograd cache, autotuning and PGO entries in one blob) are public since torch 2.7;
+# the package needs torch >= 2.6, where they are missing. Inductor's FX graph cache and the
+# AOTAutograd cache are on by default since 2.5 and 2.6 (local, under TORCHINDUCTOR_CACHE_DIR).
+has_cache_artifacts = hasattr(torch.compiler, "save_cache_artifacts") and hasattr(torch.compiler,
+                                                                                 "load_cache_artifacts")
+
+
+def save_cache_artifacts() -> tuple[bytes, Any] | None:
+    """``torch.compiler.save_cache_artifacts()``: (the blob, torch's CacheInfo), None when nothing was
+    compiled in this process. ``NotImplementedError`` on a torch without it (before 2.7)."""
+    if not has_cache_artifacts:
+        raise NotImplementedError(f"torch {torch.__version__} has no torch.compiler.save_cache_artifacts "
+                                  "(added in 2.7): its FX graph and AOTAutograd caches still work on disk")
+    return torch.compiler.save_cache_artifacts()
+
+
+def load_cache_artifacts(blob: bytes) -> Any:
+    """``torch.compiler.load_cache_artifacts(blob)``: torch's CacheInfo of what it loaded, or None."""
+    if not has_cache_artifacts:
+        raise NotImplementedError(f"torch {torch.__version__} has no torch.compiler.load_cache_artifacts "
+                                  "(added in 2.7)")
+    return torch.compiler.load_cache_artifacts(blob)
+
+
+def compile_cache_counters() -> dict[str, int]:
+    """Hits and misses of inductor's FX graph cache and the AOTAutograd cache in this process
+    (dynamo's ``counters``, the numbers its own cache tests read)."""
+    from torch._dynamo.utils import counters  # heavy (imports dynamo): only start-up tools ask
+
+    ind, aot = counters["inductor"], counters["aot_autograd"]
+    return {"fx_graph_hit": int(ind["fxgraph_cache_hit"]), "fx_graph_miss": int(ind["fxgraph_cache_miss"]),
+            "fx_graph_bypass": int(ind["fxgraph_cache_bypass"]),
+            "aot_autograd_hit": int(aot["autograd_cache_hit"]), "aot_autograd_miss": int(aot["autograd_cache_miss"]),
+            "aot_autograd_bypass": int(aot["autograd_cache_bypass"])}
+
+
+def maybe_mark_dynamic(t: torch.Tensor, dim: int) -> None:
+    """``torch._dynamo.maybe_mark_dynamic``: compile ``t``'s ``dim`` as a symbol from its first
+    frame (one compile for every batch size) unless the code specialises it; never raises for that."""
+    import torch._dynamo  # heavy: only a compiled function's warm-up asks
+
+    torch._dynamo.maybe_mark_dynamic(t, dim)
