@@ -45,6 +45,8 @@ from hipgraph_bridge import (
     __version__,
     default_buckets,
     health_check,
+    warmup,
+    WarmupReport,
 )
 from hipgraph_bridge import compiled_subgraphs, graph_pool_bytes
 from hipgraph_bridge import stats as _stats
@@ -52,8 +54,13 @@ from hipgraph_bridge.config import read_enable_mode
 from hipgraph_bridge.log import apply_env_level
 from hipgraph_bridge.patching import disable, enable, is_enabled
 
+from . import cache
+
 __all__ = [
     "enable",
+    "warmup",
+    "WarmupReport",
+    "cache",
     "disable",
     "is_enabled",
     "stats",

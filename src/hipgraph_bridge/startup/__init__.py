@@ -1,0 +1,6 @@
+"""Start-up: warm every bucket before serving, and warm-start compiles through PyTorch's caches."""
+
+from . import cache
+from .warmup import WarmupReport, resized, warmup
+
+__all__ = ["cache", "warmup", "WarmupReport", "resized"]

@@ -1,0 +1,152 @@
+"""Start-up helpers on the CPU: the warm-up's bookkeeping (sizes, rows, arguments, errors) and the compile
+cache's round trip through PyTorch's portable artifacts, in fresh processes with empty cache folders."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import gfxgraph
+from hipgraph_bridge import _torch_compat
+from hipgraph_bridge.startup import WarmupReport, cache, resized, warmup
+
+
+class Recorder:
+    """Stands in for a compiled function: records each call's arguments."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple, dict]] = []
+        self.gc_enabled: list[bool] = []
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        self.gc_enabled.append(gc.isenabled())
+        return args[0]
+
+
+def test_a_compiled_function_is_called_once_per_bucket_largest_first_on_repeated_rows():
+    f = Recorder()
+    x = torch.arange(6.0).view(3, 2)
+    table = torch.ones(3, 5)  # 3 rows, but static: it must not grow
+    rep = warmup(f, x, table, buckets=[4, 1, 8, 4], static_args=[1], progress=False, scale=torch.full((3,), 7.0))
+    assert [a[0].shape[0] for a, _ in f.calls] == [8, 4, 1]
+    assert all(a[1] is table for a, _ in f.calls)
+    assert [k["scale"].shape[0] for _, k in f.calls] == [8, 4, 1]
+    big = f.calls[0][0][0]
+    assert torch.equal(big, x[torch.arange(8) % 3])  # the example's rows, repeated cyclically
+    assert f.gc_enabled == [False, False, False] and gc.isenabled()  # collector frozen only meanwhile
+    assert isinstance(rep, WarmupReport) and rep.buckets == (8, 4, 1) and rep.graphs == 0 and rep.seconds >= 0
+    assert "3 batch sizes" in str(rep)
+
+
+def test_the_default_sizes_are_the_backends_default_buckets():
+    f = Recorder()
+    warmup(f, torch.zeros(2, 3), progress=False)
+    assert [a[0].shape[0] for a, _ in f.calls] == sorted(gfxgraph.default_buckets(), reverse=True)
+
+
+def test_batch_dim_other_than_zero_and_nested_arguments():
+    f = Recorder()
+    x = torch.randn(4, 2)  # batch in dim 1
+    warmup(f, x, {"m": torch.randn(5, 2)}, buckets=[3], batch_dim=1, progress=False)
+    (a, _), = f.calls
+    assert a[0].shape == (4, 3) and a[1]["m"].shape == (5, 3)
+    assert torch.equal(a[0], x[:, [0, 1, 0]])
+
+
+def test_an_error_in_the_function_propagates_and_the_collector_is_back_on():
+    def boom(x):
+        raise RuntimeError("model failed")
+
+    with pytest.raises(RuntimeError, match="model failed"):
+        warmup(boom, torch.zeros(2, 2), buckets=[2], progress=False)
+    assert gc.isenabled()
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({"buckets": [0, 2]}, gfxgraph.ConfigError),
+    ({"buckets": "8"}, gfxgraph.ConfigError),
+    ({"batch_dim": "0"}, gfxgraph.ConfigError),
+])
+def test_bad_options_are_config_errors(kwargs, error):
+    with pytest.raises(error):
+        warmup(Recorder(), torch.zeros(2, 2), progress=False, **kwargs)
+
+
+def test_an_example_without_a_batched_tensor_is_refused_naming_what_was_expected():
+    with pytest.raises(TypeError, match="at least one tensor with a batch dimension"):
+        warmup(Recorder(), 3, "x", buckets=[2], progress=False)
+    with pytest.raises(TypeError, match="expected a ShapeBucketPool or a compiled function"):
+        warmup(42, torch.zeros(2, 2), buckets=[2], progress=False)
+
+
+def test_a_pool_warms_its_own_buckets():
+    pool = gfxgraph.ShapeBucketPool(lambda x: x * 2, [2, 4], progress=False)
+    with pytest.raises(gfxgraph.ConfigError, match="warms its own buckets"):
+        warmup(pool, torch.zeros(3, 2), buckets=[8], progress=False)
+    rep = warmup(pool, torch.zeros(3, 2), progress=False)
+    assert rep.what == "ShapeBucketPool" and rep.buckets == (4, 2)
+    assert rep.graphs == (2 if torch.cuda.is_available() else 0)  # no GPU: nothing to capture
+
+
+def test_resized_leaves_other_sizes_and_non_tensors_alone():
+    a, k = resized((torch.zeros(3, 1), torch.zeros(2, 1), 5), {"s": "x"}, 6, rows=3)
+    assert a[0].shape == (6, 1) and a[1].shape == (2, 1) and a[2] == 5 and k == {"s": "x"}
+
+
+# ----------------------------------------------------------------------------- compile cache
+_CHILD = textwrap.dedent("""
+    import json, sys, torch
+    from hipgraph_bridge.startup import cache
+    mode, path = sys.argv[1], sys.argv[2]
+    loaded = cache.load(path) if mode == "load" else {}
+    # a matmul only: inductor calls an extern kernel and generates no C++, so no compiler runs (seconds)
+    f = torch.compile(lambda x: x @ x.t(), backend="inductor")
+    y = f(torch.linspace(-2, 2, 32).view(4, 8))
+    saved = cache.save(path) if mode == "save" else {}
+    print(json.dumps({"hits": cache.hits(), "loaded": loaded, "saved": saved, "y": y.flatten().tolist()}))
+""")
+
+
+def _child(mode: str, path: str, cache_dir: str) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
+    done = subprocess.run([sys.executable, "-c", _CHILD, mode, path], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not cache.supported(), reason="this torch has no save_cache_artifacts (added in 2.7)")
+def test_a_saved_cache_makes_a_fresh_process_skip_inductors_compile(tmp_path):
+    blob = str(tmp_path / "compile-cache.bin")
+    cold = _child("save", blob, str(tmp_path / "cold"))
+    assert cold["hits"]["fx_graph_miss"] >= 1 and cold["saved"].get("inductor", 0) >= 1
+    warm = _child("load", blob, str(tmp_path / "warm"))  # an empty cache folder: only the file can hit
+    assert warm["loaded"].get("inductor", 0) >= 1
+    assert warm["hits"]["fx_graph_miss"] == 0 and warm["hits"]["fx_graph_hit"] >= 1
+    assert warm["y"] == cold["y"]
+
+
+def test_saving_before_any_compile_says_there_is_nothing_to_save(tmp_path):
+    code = ("from hipgraph_bridge.startup import cache\n"
+            f"cache.save({str(tmp_path / 'x.bin')!r})\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "compiled nothing" in done.stderr
+
+
+def test_a_torch_without_cache_artifacts_raises_not_implemented(monkeypatch, tmp_path):
+    monkeypatch.setattr(_torch_compat, "has_cache_artifacts", False)
+    with pytest.raises(NotImplementedError, match="added in 2.7"):
+        _torch_compat.save_cache_artifacts()
+    (tmp_path / "b").write_bytes(b"x")
+    with pytest.raises(NotImplementedError, match="added in 2.7"):
+        cache.load(tmp_path / "b")
+    with pytest.raises(FileNotFoundError):
+        cache.load(tmp_path / "missing")

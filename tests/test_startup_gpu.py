@@ -1,0 +1,71 @@
+"""Start-up on a GPU: gfxgraph.warmup over a compiled function's buckets, and a second process that loads
+the first one's compile cache compiles nothing in inductor (its cache counters) and replays the same results."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import gfxgraph
+from hipgraph_bridge.startup import cache
+
+pytestmark = pytest.mark.gpu
+
+_CHILD = textwrap.dedent("""
+    import json, sys, torch
+    import gfxgraph
+    from hipgraph_bridge.startup import cache
+    mode, path = sys.argv[1], sys.argv[2]
+    loaded = cache.load(path) if mode == "load" else {}
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32)).cuda().eval()
+    f = torch.compile(mlp, backend="gfxgraph")
+    x = torch.randn(3, 32, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    with torch.no_grad():
+        rep = gfxgraph.warmup(f, x, buckets=[1, 2, 4, 8], progress=False)
+        y = [f(x[:n]).float().cpu().flatten().tolist() for n in (1, 3)]
+        ref = [mlp(x[:n]).float().cpu().flatten().tolist() for n in (1, 3)]
+    saved = cache.save(path) if mode == "save" else {}
+    print(json.dumps({"hits": cache.hits(), "loaded": loaded, "saved": saved, "graphs": rep.graphs,
+                      "buckets": list(rep.buckets), "y": y, "ref": ref, "stats": gfxgraph.backend_stats()["graphs"]}))
+""")
+
+
+def _child(mode: str, path: str, cache_dir: str) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
+    done = subprocess.run([sys.executable, "-c", _CHILD, mode, path], env=env, capture_output=True, text=True,
+                          timeout=400)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not cache.supported(), reason="this torch has no save_cache_artifacts (added in 2.7)")
+def test_warm_process_compiles_nothing_and_replays_the_cold_results(tmp_path):
+    blob = str(tmp_path / "cache.bin")
+    cold = _child("save", blob, str(tmp_path / "cold"))
+    assert cold["buckets"] == [8, 4, 2, 1] and cold["graphs"] >= 4, cold
+    assert cold["hits"]["fx_graph_miss"] >= 1 and cold["saved"].get("inductor", 0) >= 1, cold
+    warm = _child("load", blob, str(tmp_path / "warm"))
+    assert warm["hits"]["fx_graph_miss"] == 0 and warm["hits"]["fx_graph_hit"] >= 1, warm["hits"]
+    assert warm["graphs"] == cold["graphs"]
+    assert warm["y"] == cold["y"]  # the same kernels from the same cache: bit for bit
+    for got, want in zip(warm["y"], warm["ref"]):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-4)
+
+
+def test_warmup_of_a_pool_captures_every_bucket_largest_first():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 16).cuda().eval()
+    pool = gfxgraph.ShapeBucketPool(lin, [2, 4, 8], progress=False)
+    with torch.no_grad():
+        rep = gfxgraph.warmup(pool, torch.randn(3, 16, device="cuda"), progress=False)
+        assert rep.buckets == (8, 4, 2) and rep.graphs == 3 and rep.pool_bytes > 0
+        assert pool.captured_buckets == [2, 4, 8]
+        x = torch.randn(5, 16, device="cuda")
+        torch.testing.assert_close(pool(x), lin(x), rtol=1e-4, atol=1e-5)
