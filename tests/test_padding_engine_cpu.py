@@ -71,7 +71,7 @@ class _Capturer:
 
 
 class _Order:
-    def after_previous(self) -> None:
+    def after_previous(self, device: int | None = None) -> None:
         pass
 
     def forget(self) -> None:
@@ -160,3 +160,111 @@ def test_a_pool_closed_and_called_again_captures_anew(graphs):
     pool.close()
     torch.testing.assert_close(pool(torch.zeros(3, 2)), torch.ones(3, 2))
     assert pool.captured_buckets == [4] and gfxgraph.stats()["fallback_count"] == 0
+
+
+# ----------------------------------------------------------------------------- the fast paths' guards
+class _Spy:
+    """Counts the pool's checked zero-copy calls (the closure's way out) and the stand-in graph's replays."""
+
+    def __init__(self, pool: ShapeBucketPool, monkeypatch: Any) -> None:
+        self.checked = 0
+        self.replays = 0
+        original = pool._run_io
+
+        def counted(io: Any) -> Any:
+            self.checked += 1
+            return original(io)
+
+        monkeypatch.setattr(pool, "_run_io", counted)
+        spy = self
+
+        def replay(graph: Any) -> None:
+            spy.replays += 1
+            _Graph.replay(graph)
+
+        monkeypatch.setattr(_Graph, "replay_parts",
+                            lambda g: (replay, itertools.count().__next__, 255, lambda ns: None))
+
+
+def _zero_copy_pool(graphs: Any, monkeypatch: Any, **kw: Any) -> tuple[ShapeBucketPool, Any, _Spy]:
+    pool = graphs(lambda x: torch.tanh(x) * 2, [8], copy_outputs=False, **kw)
+    spy = _Spy(pool, monkeypatch)
+    pool(torch.randn(5, 4))
+    io = pool.static_io(5)
+    return pool, io, spy
+
+
+def _run(io: Any, x: torch.Tensor) -> torch.Tensor:
+    io.args[0].copy_(x)
+    return io.run()
+
+
+def test_zero_copy_calls_replay_through_the_closure_once_checked(graphs, monkeypatch):
+    pool, io, spy = _zero_copy_pool(graphs, monkeypatch)
+    for _ in range(2):  # the first takes the checked call (it installs the closure), the second is the fast one
+        _run(io, torch.randn(5, 4))
+    checked, replays = spy.checked, spy.replays
+    for _ in range(5):
+        x = torch.randn(5, 4)
+        torch.testing.assert_close(_run(io, x), torch.tanh(x) * 2)
+    assert "run" in vars(io) and spy.checked == checked and spy.replays == replays + 5
+
+
+@pytest.mark.parametrize("switch", ["debug", "validate"])
+def test_debug_and_validate_take_the_checked_call(graphs, monkeypatch, switch):
+    pool, io, spy = _zero_copy_pool(graphs, monkeypatch)
+    for _ in range(2):
+        _run(io, torch.randn(5, 4))
+    before = spy.checked
+    gfxgraph.enable(**{switch: True})
+    try:
+        x = torch.randn(5, 4)
+        torch.testing.assert_close(_run(io, x), torch.tanh(x) * 2)
+        torch.testing.assert_close(pool(x), torch.tanh(x) * 2)
+    finally:
+        gfxgraph.disable()
+    assert spy.checked == before + 1
+
+
+def test_a_larger_call_sends_the_next_smaller_one_through_the_fill(graphs, monkeypatch):
+    pool, io, spy = _zero_copy_pool(graphs, monkeypatch)
+    for _ in range(2):
+        _run(io, torch.randn(5, 4))
+    pool(torch.randn(8, 4))  # rows 5..7 of the buffer now hold real values
+    before = spy.checked
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(_run(io, x), torch.tanh(x) * 2)
+    assert spy.checked == before + 1  # the checked call refilled the padding
+    assert torch.equal(pool.static_inputs[0][5:], torch.zeros(3, 4))
+
+
+def test_padding_filled_once_keeps_the_fast_path_after_a_larger_call(graphs, monkeypatch):
+    pool, io, spy = _zero_copy_pool(graphs, monkeypatch, pad_value=None)
+    for _ in range(2):
+        _run(io, torch.randn(5, 4))
+    pool(torch.randn(8, 4))
+    before = spy.checked
+    for _ in range(3):
+        x = torch.randn(5, 4)
+        torch.testing.assert_close(_run(io, x), torch.tanh(x) * 2)
+    assert spy.checked == before
+
+
+def test_a_closed_pools_zero_copy_call_raises(graphs, monkeypatch):
+    pool, io, spy = _zero_copy_pool(graphs, monkeypatch)
+    for _ in range(2):
+        _run(io, torch.randn(5, 4))
+    pool.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        io.run()
+
+
+def test_a_new_generation_sends_the_closure_to_the_checked_call(graphs, monkeypatch):
+    pool, io, spy = _zero_copy_pool(graphs, monkeypatch)
+    for _ in range(2):
+        _run(io, torch.randn(5, 4))
+    pool._engine.generation += 1  # what a recapture or a refusal does
+    before = spy.checked
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(_run(io, x), torch.tanh(x) * 2)
+    assert spy.checked == before + 1

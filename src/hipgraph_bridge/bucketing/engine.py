@@ -35,7 +35,9 @@ A call of ``n`` rows:
    its own run, the check's reference). A bucket first captured at its exact
    size or ahead of time (``capture_all``) runs it once on its first padded
    call: its own run, which answers it and is the check's reference. A check
-   never runs it.
+   never runs it. A capture that fails is followed by an eager run on the
+   caller's arguments (the call's answer), so with ``warmup_iters=0`` such a
+   call runs it twice.
 4. Without a GPU, ``simulate_padding`` runs the same pipeline eagerly: the
    model on the padded buffers where a replay would be (one run per call),
    the trace deciding padding as above; the poisoned replays need a graph.
@@ -68,7 +70,7 @@ from ..padding.confirm import confirm_padding
 from ..padding.entry import MISSING, Entry
 from ..padding.outputs import OutputLayout, flags_to_rows
 from ..padding.rows import RowTracer, RowVerdict, Rows
-from ..padding.staging import StaticInputs
+from ..padding.staging import FillPolicy, StaticInputs
 from ..platform import probe
 from ..ranks.agreement import Round
 from ..ranks.decider import Decider
@@ -89,7 +91,7 @@ class FastCall:
 
     generation: int
     batch: int
-    padded: bool  # the bucket is larger than the batch: its padding must be clean
+    padded: bool  # the bucket is larger than the batch and its padding is filled per call: it must be clean
     copies: tuple[tuple[torch.Tensor, int], ...]  # (static view, leaf index) per tensor argument
     graph: Any  # the bucket's SafeCUDAGraph, replayed through its replay_parts() (valid with the generation)
     parts: tuple[Any, ...]
@@ -119,7 +121,9 @@ class FastCall:
         if engine is None or tree is None:
             return None
         lock, order = engine.lock, engine.order
-        del engine  # the closure holds the engine weakly: a StaticIO must not keep a dropped pool alive
+        # weakly, as FastCall does: the engine holds this FastCall (the StaticIO holds the pool anyway,
+        # through its checked call, so the pool lives as long as the StaticIO)
+        del engine
         stream_of, device, now = raw_stream_of, self.device, time.perf_counter_ns
 
         # Every check runs under the pool's lock, so a concurrent call that recaptures (and moves the
@@ -134,7 +138,7 @@ class FastCall:
                 if inputs.dirty < batch:
                     inputs.dirty = batch
                 if stream_of is None or stream_of(device) != order.raw:
-                    order.after_previous()
+                    order.after_previous(device)
                 if tick() & mask:
                     launch(graph)
                 else:
@@ -215,7 +219,7 @@ class BucketEngine:
                 and not config.switches.checked:
             order = self.order
             if raw_stream_of is None or raw_stream_of(fast.device) != order.raw:
-                order.after_previous()  # before the copies: the previous call may still read the buffers
+                order.after_previous(fast.device)  # before the copies: the previous call may still read them
             for dst, i in fast.copies:
                 src = leaves[i]
                 if src is not dst:
@@ -249,7 +253,9 @@ class BucketEngine:
         views, tree = layout.views(entry.outputs, batch)
         copies = tuple((dst, i) for dst, i, _ in inputs.plan(batch, bucket))
         device = copies[0][0].device.index if copies and copies[0][0].device.index is not None else 0
-        self.fast[batch] = FastCall(self.generation, batch, batch < bucket, copies, entry.graph,
+        # padding filled once (pad_value=None) is never refilled: a larger call before does not stop this one
+        filled = batch < bucket and inputs.policy is FillPolicy.ALWAYS
+        self.fast[batch] = FastCall(self.generation, batch, filled, copies, entry.graph,
                                     entry.graph.replay_parts(), device, tuple(views),
                                     tree, layout.rebuild, weakref.ref(self))
 

@@ -180,8 +180,9 @@ class ShapeBucketPool:
     @property
     def stateful(self) -> bool:
         """Whether the model writes state it keeps (given, or found by the trace of its first call)."""
-        return self.options.stateful if self.options.stateful is not None \
-            else any(ks.stateful for ks in self._engine.keys.values())
+        with self._lock:
+            return self.options.stateful if self.options.stateful is not None \
+                else any(ks.stateful for ks in self._engine.keys.values())
 
     @property
     def capture_seconds(self) -> float:
@@ -256,7 +257,8 @@ class ShapeBucketPool:
         garbage collector stays frozen for the whole run. Logs and returns the
         time and graph-pool memory it took. Buckets that fail run eagerly later.
         Runs the model ``warmup_iters + 1`` times per bucket on the example rows
-        (the first capture traced): reset model state after it.
+        (the first capture traced; ``min(warmup_iters, 1) + 1`` times for a model
+        that writes state): reset model state after it.
         """
         leaves, layout, batch = self._classify(example_args, example_kwargs)
         with self._lock:
@@ -334,18 +336,21 @@ class ShapeBucketPool:
     @property
     def captured_buckets(self) -> list[int]:
         """Sizes with a captured graph (buckets, and exact sizes of an unpadded model), any constant key."""
-        return sorted({b for (b, _), e in self._engine.entries.items() if e.graph is not None})
+        with self._lock:  # a first call in another thread may be adding entries
+            return sorted({b for (b, _), e in self._engine.entries.items() if e.graph is not None})
 
     @property
     def failed_buckets(self) -> dict[int, str]:
         """Sizes that run eagerly, with the reason."""
-        return {b: str(e.fallback) for (b, _), e in self._engine.entries.items() if e.fallback is not None}
+        with self._lock:
+            return {b: str(e.fallback) for (b, _), e in self._engine.entries.items() if e.fallback is not None}
 
     def bucket_for(self, batch_size: int) -> int | None:
         """The graph size a batch of ``batch_size`` rows runs in (with no constant arguments); None above the largest."""
-        ks = self._engine.keys.get(())
-        table = self._engine.padded_table if ks is not None and ks.padded else self._engine.exact_table
-        return table.bucket_for(batch_size) if ks is not None else self._engine.padded_table.bucket_for(batch_size)
+        with self._lock:
+            ks = self._engine.keys.get(())
+            table = self._engine.padded_table if ks is not None and ks.padded else self._engine.exact_table
+            return table.bucket_for(batch_size) if ks is not None else self._engine.padded_table.bucket_for(batch_size)
 
     def pool_bytes(self) -> int:
         """Bytes reserved by this pool's graphs, as the caching allocator reports them."""
@@ -354,12 +359,13 @@ class ShapeBucketPool:
     @property
     def unpadded(self) -> Mapping[tuple[Hashable, ...], Fallback]:
         """Constant-argument keys that are not padded, with the reason (exact-size graphs serve them)."""
-        return self._engine.unpadded()
+        with self._lock:
+            return self._engine.unpadded()
 
     @property
     def row_coupled(self) -> Mapping[tuple[Hashable, ...], str]:
         """Keys not padded because their rows interact (the trace, or the padding check, showed it)."""
-        return {k: f.detail for k, f in self._engine.unpadded().items()
+        return {k: f.detail for k, f in self.unpadded.items()
                 if f.reason in (Reason.ROWS_COUPLED, Reason.PADDING_CHANGES_RESULTS)}
 
     @property

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._torch_compat import current_raw_stream
+from .._torch_compat import current_raw_stream, raw_stream_of
 
 __all__ = ["CallOrder"]
 
@@ -19,12 +19,13 @@ class CallOrder:
         # path can compare it with the current handle inline and call after_previous() only on a change
         self.raw: int | None = None
 
-    def after_previous(self) -> None:
-        """Order the current stream after the previous call (a handle comparison when it is the same)."""
-        raw = current_raw_stream()
+    def after_previous(self, device: int | None = None) -> None:
+        """Order the current stream of ``device`` (default: the current device; pass the graphs' device,
+        where a replay launches) after the previous call (a handle comparison when it is the same)."""
+        raw = current_raw_stream() if device is None else raw_stream_of(device) if raw_stream_of is not None else None
         if raw is not None and raw == self.raw and self._stream is not None:
             return
-        stream = torch.cuda.current_stream()
+        stream = torch.cuda.current_stream(device)
         last = self._stream
         if last is not None and last != stream:
             stream.wait_stream(last)

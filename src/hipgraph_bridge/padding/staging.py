@@ -220,7 +220,8 @@ def poison_values(region: PadRegion, pad_value: float | int | bool) -> list[floa
     Floating inputs: NaN (any row that reads a padding row turns NaN) and a
     large finite value (for code that ignores NaN: comparisons, ``nan_to_num``).
     Integer inputs: a value of the call's own rows (a token id stays a valid
-    index: no out-of-range read on the device). Booleans: the other value.
+    index: no out-of-range read on the device), or ``pad_value + 1`` when every
+    real value is ``pad_value``. Booleans: the other value.
     """
     t = region.whole
     if t.dtype == torch.bool:
@@ -230,4 +231,9 @@ def poison_values(region: PadRegion, pad_value: float | int | bool) -> list[floa
         return [math.nan, big]
     real = region.real.reshape(-1)
     other = real[real != pad_value]  # a value of the call's own rows that is not the padding's
-    return [other[0].item()] if other.numel() else []
+    if other.numel():
+        return [other[0].item()]
+    # every real value is the pad value (all token ids 0, padded with 0): its neighbour, inside the
+    # dtype's range (a token id one past the pad value is still small enough to index with)
+    info = torch.iinfo(t.dtype)
+    return [int(pad_value) + 1 if int(pad_value) < info.max else int(pad_value) - 1]
