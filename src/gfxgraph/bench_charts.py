@@ -392,7 +392,23 @@ def _nonempty(panels: tuple) -> tuple:
     return tuple(p for p in panels if (p.series if isinstance(p, LinePanel) else p.bars))
 
 
+def startup_charts(doc: dict[str, Any]) -> list[Chart]:
+    """Seconds to the first graphed call per contender, cold beside warm (the start-up suite's runs)."""
+    res = doc.get("results", {})
+    bars = []
+    for name, r in res.items():
+        contender, _, phase = name.rpartition(" ")
+        if isinstance(r, dict) and isinstance(r.get("to_first_call_s"), (int, float)):
+            bars.append((f"{MODE_LABELS.get(contender, contender)}, {phase}", contender, float(r["to_first_call_s"])))
+    panel = BarPanel("process start to first graphed call (36 buckets)", "seconds", tuple(bars),
+                     log=_spread([b[2] for b in bars]))
+    return [Chart("startup", "Start-up: cold and warm processes", _nonempty((panel,)),
+                  "Seconds from a fresh process to 36 decode-step buckets graphed and the first call served "
+                  "(model build excluded); warm keeps PyTorch's compile caches, portable loads the saved file.")]
+
+
 SUITE_CHARTS: dict[str, Callable[[dict[str, Any]], list[Chart]]] = {
+    "startup": startup_charts,
     "llm_decode": llm_decode_charts,
     "shape_bucketing": shape_bucketing_charts,
     "compile_backend": compile_backend_charts,

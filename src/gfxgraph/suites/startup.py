@@ -1,0 +1,178 @@
+"""Start-up: seconds from a fresh process to 36 decode-step buckets graphed and the first call served.
+
+Serving processes pay compile and capture before their first request. Each contender runs in its
+own fresh interpreter (``python -m gfxgraph.suites.startup --child ...``), on the llm_decode
+suite's 1.2B Llama (random bf16 weights; the decode-shaped step without a KV cache, as in the
+call_overhead suite's capture part: transformers' StaticCache fixes its batch at its first write):
+
+* ``pool``: ``ShapeBucketPool`` over the eager step, ``gfxgraph.warmup(pool, example)``
+  (its ``capture_all``: 36 buckets largest first);
+* ``backend``: ``torch.compile(step, backend="gfxgraph")`` and ``gfxgraph.warmup(f, example,
+  buckets=BUCKETS_36)`` (one compile with the batch marked dynamic, a capture per bucket);
+* ``reduce-overhead``: ``torch.compile(step, mode="reduce-overhead")`` driven over the same 36
+  sizes, largest first, three calls each (CUDA-graph trees warm a shape up, record it, replay it).
+
+Phases: ``cold`` (empty inductor and triton cache folders), ``warm`` (a second process, the same
+folders kept), and for the backend ``portable`` (empty folders plus the file
+``gfxgraph.cache.save`` wrote in the cold process, loaded by ``gfxgraph.cache.load``: a new
+machine). Each child reports its times since its own start; "to first call" is process start to
+the first graphed call's result on the host, minus building the model (weights are not
+gfxgraph's to load), and its breakdown: imports, warm-up (compile and capture; the compile
+share as the backend counts it), graph memory (graph pools, from the allocator), inductor's
+cache hits and misses, and the first call's tokens, compared between phases.
+Targets (issue 27) beside each figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from gfxgraph.suites._common import child_env, figure, parser, write
+from hipgraph_bridge._torch_compat import maybe_mark_dynamic
+
+BUCKETS_36 = sorted([1, 2, 4, 8, 12, *range(16, 257, 8)])
+CONTENDERS = ("pool", "backend", "reduce-overhead")
+FIRST_BATCH = 5  # the first call's batch size: padded to bucket 8 by the pool and the backend
+
+
+def child(contender: str, phase: str, blob: str, spawned: float) -> dict[str, Any]:
+    """One contender's start-up in this (fresh) process, started at ``spawned`` (epoch seconds, the
+    parent's clock before it started the interpreter); the measurements as a dict."""
+    import gfxgraph
+    from gfxgraph.suites.call_overhead import build_llama  # transformers: this suite alone needs it
+    from gfxgraph.suites.llm_decode import CONFIGS
+
+    imported = time.time()
+    out: dict[str, Any] = {"contender": contender, "phase": phase, "import_s": imported - spawned}
+    if contender == "backend" and phase == "portable":
+        out["loaded"] = gfxgraph.cache.load(blob)
+    t = time.time()
+    model = build_llama(CONFIGS["llama-1.2b"])
+    torch.cuda.synchronize()
+    out["model_s"] = time.time() - t
+
+    def step(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids, position_ids=pos, use_cache=False).logits[:, -1, :]
+
+    example = (torch.zeros(1, 1, dtype=torch.long, device="cuda"), torch.zeros(1, 1, dtype=torch.long, device="cuda"))
+    ids = torch.arange(FIRST_BATCH, device="cuda").view(FIRST_BATCH, 1) * 7 + 11
+    pos = torch.full((FIRST_BATCH, 1), 3, dtype=torch.long, device="cuda")
+    t = time.time()
+    with torch.no_grad():
+        if contender == "pool":
+            run: Any = gfxgraph.ShapeBucketPool(step, BUCKETS_36, progress=False)
+            rep = gfxgraph.warmup(run, *example, progress=False)
+            out.update(graphs=rep.graphs, compile_s=0.0, capture_s=rep.seconds)
+        elif contender == "backend":
+            run = torch.compile(step, backend="gfxgraph")
+            rep = gfxgraph.warmup(run, *example, buckets=BUCKETS_36, progress=False)
+            out.update(graphs=rep.graphs, compile_s=rep.compile_seconds)
+        else:
+            run = torch.compile(step, mode="reduce-overhead")
+            for i, b in enumerate(reversed(BUCKETS_36)):
+                x = torch.zeros(b, 1, dtype=torch.long, device="cuda")
+                if i == 0:
+                    maybe_mark_dynamic(x, 0)
+                for _ in range(3):
+                    run(x, x)
+        torch.cuda.synchronize()
+        out["warmup_s"] = time.time() - t
+        logits = run(ids, pos)
+        tokens = logits.argmax(-1).tolist()  # the host read: the first call served
+    served = time.time()
+    out.update(tokens=tokens, served_s=served - spawned, to_first_call_s=served - spawned - out["model_s"],
+               graph_bytes=gfxgraph.graph_pool_bytes(), cache=gfxgraph.cache.hits())
+    if contender == "backend" and phase == "cold":
+        out["saved"] = gfxgraph.cache.save(blob)
+    return out
+
+
+def _spawn(contender: str, phase: str, folder: str, blob: str) -> dict[str, Any]:
+    env = child_env(TORCHINDUCTOR_CACHE_DIR=os.path.join(folder, "inductor"),
+                    TRITON_CACHE_DIR=os.path.join(folder, "triton"))
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as result:
+        t0 = time.time()
+        done = subprocess.run([sys.executable, "-m", "gfxgraph.suites.startup", "--child", contender,
+                               "--phase", phase, "--blob", blob, "--result", result.name, "--spawned", repr(t0)],
+                              env=env, capture_output=True, text=True, timeout=900)
+        wall = time.time() - t0
+        if done.returncode != 0:
+            return {"contender": contender, "phase": phase, "error": done.stderr[-2000:], "wall_s": wall}
+        got = json.loads(open(result.name).read())
+    got["wall_s"] = wall
+    return got
+
+
+def main() -> None:
+    p = parser(__doc__)
+    for name in ("--child", "--phase", "--blob", "--result", "--spawned"):  # the parent's, for its children
+        p.add_argument(name, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    args = p.parse_args()
+    if args.child:
+        res = child(args.child, args.phase, args.blob, float(args.spawned))
+        with open(args.result, "w") as f:
+            json.dump(res, f)
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("startup: needs a CUDA or ROCm GPU")
+    runs: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        blob = os.path.join(tmp, "gfxgraph-compile-cache.bin")
+        for c in args.contenders.split(","):
+            folder = os.path.join(tmp, c)
+            phases = ("cold", "warm", "portable") if c == "backend" else ("cold", "warm")
+            for ph in phases:
+                runs[f"{c} {ph}"] = _spawn(c, ph, os.path.join(tmp, f"{c}-new") if ph == "portable" else folder,
+                                           blob)
+    write(args.out, "startup", figures(runs), {"method": __doc__, "results": runs})
+
+
+def figures(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each run's start-up beside the issue's targets (runs that failed are reported as such)."""
+    figs: list[dict[str, Any]] = []
+    for name, r in runs.items():
+        if "error" in r:
+            figs.append(figure(f"{name}: failed", float("nan"), None, False, note=r["error"].splitlines()[-1]
+                               if r["error"] else ""))
+            continue
+        figs.append(figure(f"{name}: process start to first graphed call, model build excluded",
+                           r["to_first_call_s"], None, None, "s",
+                           note=f"imports {r['import_s']:.1f} s, warm-up {r['warmup_s']:.1f} s"
+                                f" (compile {r.get('compile_s', float('nan')):.1f} s), graph memory "
+                                f"{r['graph_bytes'] / 2**20:.0f} MiB, fx-graph cache hits/misses "
+                                f"{r['cache']['fx_graph_hit']}/{r['cache']['fx_graph_miss']}"))
+    ok = {k: r for k, r in runs.items() if "error" not in r}
+    warm, ro = ok.get("backend warm"), ok.get("reduce-overhead warm")
+    if warm is not None:
+        figs.append(figure("backend warm start: to first graphed call", warm["to_first_call_s"], "<= 5 s",
+                           warm["to_first_call_s"] <= 5.0, "s"))
+        if ro is not None:
+            ratio = warm["to_first_call_s"] / ro["to_first_call_s"]
+            figs.append(figure("backend warm / reduce-overhead warm", ratio, "<= 0.5", ratio <= 0.5))
+    pool = ok.get("pool warm") or ok.get("pool cold")
+    if pool is not None:
+        figs.append(figure("capture of the 36 buckets (pool warm-up)", pool["capture_s"], "<= 1.0 s",
+                           pool["capture_s"] <= 1.0, "s"))
+    for c in CONTENDERS:
+        cold = ok.get(f"{c} cold")
+        for ph in ("warm", "portable"):
+            other = ok.get(f"{c} {ph}")
+            if cold is not None and other is not None:
+                same = other["tokens"] == cold["tokens"]
+                figs.append(figure(f"{c} {ph}: first call's tokens equal the cold process's", float(same), "== 1",
+                                   same))
+    return figs
+
+
+if __name__ == "__main__":
+    main()
