@@ -47,6 +47,7 @@ Every method runs under the pool's lock.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -163,6 +164,17 @@ class KeyState:
     provisional: bool = False  # padded for one capture: its trace decides (the run read batch values on the host)
 
 
+def _on_device_of(inputs: StaticInputs, graphs: bool) -> Any:
+    """The inputs' GPU as the current device while a call stages, warms up, captures or replays: the
+    capture stream, the memory pool and the kernels then all live where the buffers do, whatever
+    device the caller has current (a capture on another device's stream would record nothing)."""
+    if graphs:
+        for buf in inputs.buffers:
+            if isinstance(buf, torch.Tensor) and buf.is_cuda:
+                return torch.cuda.device(buf.device)
+    return contextlib.nullcontext()
+
+
 def training_layers(model: Any) -> Fallback | None:
     """Why a module in training mode must not be padded (batch norm, dropout), or None."""
     if not isinstance(model, torch.nn.Module) or not model.training:
@@ -261,6 +273,11 @@ class BucketEngine:
 
     def _call(self, inputs: StaticInputs, leaves: list[Any], batch: int, args: tuple[Any, ...],
               kwargs: dict[str, Any], copy: bool) -> Any:
+        with _on_device_of(inputs, self.graphs):
+            return self._call_here(inputs, leaves, batch, args, kwargs, copy)
+
+    def _call_here(self, inputs: StaticInputs, leaves: list[Any], batch: int, args: tuple[Any, ...],
+                   kwargs: dict[str, Any], copy: bool) -> Any:
         opts = self.opts
         if batch > opts.buckets[-1]:
             return self._oversize(batch, args, kwargs)
@@ -598,6 +615,10 @@ class BucketEngine:
         """Capture ``bucket`` now, on what the buffers hold (``capture_all``); the key's first capture is traced."""
         if not self.graphs:
             return  # nothing to capture: calls run the padded pipeline eagerly
+        with _on_device_of(inputs, True):
+            self._capture_ahead(inputs, leaves, bucket, key)
+
+    def _capture_ahead(self, inputs: StaticInputs, leaves: list[Any], bucket: int, key: tuple[Hashable, ...]) -> None:
         ks = self.keys.get(key)
         if ks is None:
             ks = self.keys[key] = self._new_key()
