@@ -1,0 +1,153 @@
+"""Token sampling with a random stream indexed by (seed, sequence, position), the same on every strategy.
+
+PyTorch's CUDA generator advances its offset once per graph replay, so the
+steps of one WHILE-node launch would all draw the same numbers. Sampling here
+uses a counter-based generator instead, Philox4x32-10 (Salmon et al.,
+"Parallel random numbers: as easy as 1, 2, 3", SC 2011; the generator behind
+cuRAND's and PyTorch's CUDA streams): the random number of a token is a pure
+function of ``(seed, sequence, position)``, so a seed gives the same tokens
+whatever the chunk size, the strategy (a device loop, a host loop, eager) or
+the batch the sequence shares. The functions here are the reference: plain
+torch ops on any device, which the eager strategy runs and the device
+kernels must reproduce.
+
+A token is drawn as ``generate(do_sample=True)`` draws it, in transformers'
+order: the logits divided by ``temperature``, then top-k (every logit below
+the k-th largest removed; ties kept), then top-p (the smallest tokens whose
+probabilities add up to at most ``1 - top_p`` removed, at least one token
+kept), then one token from the softmax of what is left, by the inverse of its
+cumulative distribution (in vocabulary order, in float64) at a uniform number
+in [0, 1) made from two Philox words (53 bits).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError
+
+__all__ = ["SamplingParams", "philox4x32", "uniform", "filter_logits", "sample_tokens"]
+
+_MASK = 0xFFFFFFFF
+_M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox4x32 multipliers
+_W0, _W1 = 0x9E3779B9, 0xBB67AE85  # Weyl key increments (golden ratio, sqrt(3) - 1)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a token is chosen; checked when made (``ConfigError`` names what was expected).
+
+    ``do_sample=False`` is greedy (``argmax``) and ignores the rest. ``seed``:
+    the stream's key (any int in [0, 2**64)); None draws one from torch's
+    default generator when the generation starts.
+    """
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.do_sample, bool):
+            raise ConfigError(f"do_sample: expected a bool, got {self.do_sample!r}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+            raise ConfigError(f"temperature: expected a finite number > 0, got {t!r}")
+        k = self.top_k
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ConfigError(f"top_k: expected None or an int >= 1, got {k!r}")
+        p = self.top_p
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1):
+            raise ConfigError(f"top_p: expected None or a number in (0, 1], got {p!r}")
+        s = self.seed
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 2**64):
+            raise ConfigError(f"seed: expected None or an int in [0, 2**64), got {s!r}")
+
+    def with_seed(self) -> SamplingParams:
+        """These parameters with a seed (drawn from torch's default CPU generator when there is none)."""
+        if self.seed is not None:
+            return self
+        seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+        return SamplingParams(self.do_sample, self.temperature, self.top_k, self.top_p, seed)
+
+
+def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(high, low) 32-bit words of ``a * b`` for a 32-bit constant ``a`` and 32-bit words ``b`` in int64
+    (split in 16-bit halves: every partial product fits int64)."""
+    a_hi, a_lo = a >> 16, a & 0xFFFF
+    p_lo = b * a_lo  # < 2**48
+    p_hi = b * a_hi  # < 2**48
+    mid = ((p_hi & 0xFFFF) << 16) + p_lo  # < 2**49
+    lo = mid & _MASK
+    hi = (p_hi >> 16) + (mid >> 32)
+    return hi & _MASK, lo
+
+
+def philox4x32(counter: torch.Tensor, key: torch.Tensor, rounds: int = 10) -> torch.Tensor:
+    """Philox4x32-``rounds`` of ``counter`` (``(..., 4)`` 32-bit words in int64) under ``key``
+    (``(..., 2)``, broadcast against it): four 32-bit words per counter, in int64."""
+    c0, c1, c2, c3 = (counter[..., i].to(torch.int64) & _MASK for i in range(4))
+    k0 = key[..., 0].to(torch.int64) & _MASK
+    k1 = key[..., 1].to(torch.int64) & _MASK
+    for r in range(rounds):
+        if r:
+            k0, k1 = (k0 + _W0) & _MASK, (k1 + _W1) & _MASK
+        hi0, lo0 = _mulhilo(_M0, c0)
+        hi1, lo1 = _mulhilo(_M1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return torch.stack((c0, c1, c2, c3), dim=-1)
+
+
+def uniform(seed: int, sequence: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """The uniform number in [0, 1) (float64, 53 bits) of each ``(sequence, position)`` under ``seed``.
+
+    The counter is ``(position, sequence, 0, 0)`` and the key the seed's two 32-bit halves;
+    ``sequence`` and ``position`` broadcast against each other (int tensors, any device).
+    """
+    seq, pos = torch.broadcast_tensors(sequence.to(torch.int64), position.to(torch.int64))
+    zero = torch.zeros_like(seq)
+    counter = torch.stack((pos & _MASK, seq & _MASK, (pos >> 32) & _MASK, zero), dim=-1)
+    key = torch.tensor([seed & _MASK, (seed >> 32) & _MASK], dtype=torch.int64, device=seq.device)
+    words = philox4x32(counter, key)
+    a = (words[..., 0] >> 5).to(torch.float64)  # 27 bits
+    b = (words[..., 1] >> 6).to(torch.float64)  # 26 bits
+    return (a * 67108864.0 + b) * (1.0 / 9007199254740992.0)
+
+
+def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+                  top_p: float | None = None) -> torch.Tensor:
+    """``logits`` (``(batch, vocab)``) after temperature, top-k and top-p, in transformers' order and
+    rules; removed tokens hold ``-inf``. Float32 (as transformers computes them)."""
+    scores = logits.float()
+    if temperature != 1.0:
+        scores = scores / temperature
+    if top_k is not None and top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, -math.inf)
+    if top_p is not None and top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=False)
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative <= (1 - top_p)
+        remove[..., -1:] = False  # at least one token stays
+        scores = scores.masked_fill(remove.scatter(-1, order, remove), -math.inf)
+    return scores
+
+
+def sample_tokens(logits: torch.Tensor, params: SamplingParams, sequence: torch.Tensor,
+                  position: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``logits`` (``(batch, vocab)``): greedy, or drawn with ``params`` at the
+    uniform number of ``(params.seed, sequence[i], position[i])`` (:func:`uniform`). Long, ``(batch,)``."""
+    if not params.do_sample:
+        return logits.argmax(dim=-1)
+    if params.seed is None:
+        raise ConfigError("sample_tokens: expected params with a seed (SamplingParams.with_seed())")
+    probs = filter_logits(logits, params.temperature, params.top_k, params.top_p).softmax(dim=-1)
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    u = uniform(params.seed, sequence, position).to(cdf.device).unsqueeze(-1) * cdf[..., -1:]
+    token = torch.searchsorted(cdf, u, right=True).squeeze(-1)
+    # u * total < total, so the index is in range; clamp guards a total rounded below a last cdf step
+    return token.clamp_(max=logits.shape[-1] - 1)

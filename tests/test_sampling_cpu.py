@@ -1,0 +1,116 @@
+"""Sampling's reference implementation on the CPU: Philox4x32-10 against the published known-answer vectors,
+transformers' temperature/top-k/top-p rules, the drawn distribution (chi-square over 200,000 draws per
+setting) and a stream that depends on (seed, sequence, position) only."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gfxgraph import ConfigError
+from hipgraph_bridge.generation.sampling import SamplingParams, filter_logits, philox4x32, sample_tokens, uniform
+
+# Random123's kat_vectors for philox4x32_10: (counter, key) -> output
+_KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+@pytest.mark.parametrize("counter, key, want", _KAT)
+def test_philox_matches_the_known_answers(counter, key, want):
+    got = philox4x32(torch.tensor(counter, dtype=torch.int64), torch.tensor(key, dtype=torch.int64))
+    assert [int(x) for x in got] == list(want)
+
+
+def test_philox_is_vectorised_over_counters():
+    counters = torch.tensor([c for c, _, _ in _KAT], dtype=torch.int64)
+    keys = torch.tensor([k for _, k, _ in _KAT], dtype=torch.int64)
+    assert philox4x32(counters, keys).tolist() == [list(w) for _, _, w in _KAT]
+
+
+def test_uniform_numbers_are_a_function_of_seed_sequence_and_position():
+    pos = torch.arange(100_000)
+    u = uniform(7, torch.tensor(3), pos)
+    assert u.dtype == torch.float64 and 0 <= u.min() and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.005 and abs(u.var().item() - 1 / 12) < 0.002
+    assert torch.equal(u[123:130], uniform(7, torch.tensor(3), pos[123:130]))  # no state: any slice, any order
+    assert not torch.equal(u[:50], uniform(8, torch.tensor(3), pos[:50]))  # another seed
+    assert not torch.equal(u[:50], uniform(7, torch.tensor(4), pos[:50]))  # another sequence
+    grid = uniform(7, torch.arange(4).view(4, 1), torch.arange(5).view(1, 5))
+    assert grid.shape == (4, 5) and torch.equal(grid[3], uniform(7, torch.tensor(3), torch.arange(5)))
+    big = uniform(2**64 - 1, torch.tensor(2**31), torch.tensor(2**40))  # every bit of the key and counter used
+    assert 0 <= big.item() < 1
+
+
+def test_filters_follow_transformers():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    logits[0, :5] = 2.0  # ties at the k-th value are kept
+    for t, k, p in [(1.0, None, None), (0.7, 5, None), (1.0, None, 0.8), (1.3, 3, 0.9), (0.5, 10, 0.3)]:
+        want = logits.clone()
+        if t != 1.0:
+            want = transformers.TemperatureLogitsWarper(t)(None, want)
+        if k is not None:
+            want = transformers.TopKLogitsWarper(k)(None, want)
+        if p is not None:
+            want = transformers.TopPLogitsWarper(p)(None, want)
+        assert torch.equal(filter_logits(logits, t, k, p), want), (t, k, p)
+
+
+# chi-square critical values at p = 0.001 by degrees of freedom
+_CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
+
+
+@pytest.mark.parametrize("t, k, p", [(1.0, None, None), (0.7, 5, None), (1.0, None, 0.8), (1.3, 3, 0.9)])
+def test_draws_follow_the_filtered_distribution(t, k, p):
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]])
+    params = SamplingParams(do_sample=True, temperature=t, top_k=k, top_p=p, seed=20261202)
+    n = 200_000
+    tokens = sample_tokens(logits.expand(n, -1), params, torch.zeros(n, dtype=torch.long), torch.arange(n))
+    counts = torch.bincount(tokens, minlength=8).double()
+    probs = filter_logits(logits, t, k, p).softmax(-1)[0].double()
+    kept = probs > 0
+    assert counts[~kept].sum() == 0  # a removed token is never drawn
+    expected = probs[kept] * n
+    chi2 = (((counts[kept] - expected) ** 2) / expected).sum().item()
+    df = int(kept.sum()) - 1
+    assert chi2 < _CHI2_999[df], (chi2, df, counts.tolist(), expected.tolist())
+
+
+def test_a_sequences_tokens_do_not_depend_on_its_batch():
+    torch.manual_seed(1)
+    logits = torch.randn(4, 100)
+    params = SamplingParams(do_sample=True, temperature=0.9, top_p=0.95, seed=5)
+    together = sample_tokens(logits, params, torch.arange(4), torch.full((4,), 17))
+    alone = [sample_tokens(logits[i:i + 1], params, torch.tensor([i]), torch.tensor([17])).item() for i in range(4)]
+    assert together.tolist() == alone
+    again = sample_tokens(logits, params, torch.arange(4), torch.full((4,), 17))
+    assert torch.equal(together, again)
+
+
+def test_greedy_ignores_the_rest():
+    logits = torch.randn(3, 10)
+    params = SamplingParams(do_sample=False, temperature=0.1, top_k=2, seed=1)
+    assert torch.equal(sample_tokens(logits, params, torch.arange(3), torch.zeros(3)), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("kwargs", [{"temperature": 0}, {"temperature": math.inf}, {"temperature": True},
+                                    {"top_k": 0}, {"top_k": 2.5}, {"top_p": 0}, {"top_p": 1.5},
+                                    {"seed": -1}, {"seed": 2**64}, {"do_sample": 1}])
+def test_bad_parameters_are_refused_naming_what_was_expected(kwargs):
+    with pytest.raises(ConfigError, match="expected"):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_needs_a_seed_and_with_seed_draws_one():
+    params = SamplingParams(do_sample=True)
+    with pytest.raises(ConfigError, match="seed"):
+        sample_tokens(torch.randn(1, 4), params, torch.zeros(1), torch.zeros(1))
+    seeded = params.with_seed()
+    assert seeded.seed is not None and seeded.with_seed() is seeded
