@@ -35,9 +35,17 @@ whether to go on, for up to 1024 sequences, torch ops beyond), ``"host"`` (HIP, 
 has no conditional nodes; forcible on CUDA: the step is one graph replayed
 with one host read per token) and ``"eager"`` (no GPU graphs).
 
-Sampling is not offered: PyTorch's generators advance their offsets once per
-graph replay, not per iteration of a WHILE body, so every step of a launch
-would draw the same random numbers (see :mod:`hipgraph_bridge.conditional.native_nodes`).
+A step may return logits ``(batch_size, vocab)`` instead of token ids; the
+loop then chooses the token itself: greedy, or sampled with
+``generate(do_sample=True, temperature=, top_k=, top_p=, seed=)`` in
+transformers' order and rules (:mod:`.sampling`). PyTorch's generators
+advance their offsets once per graph replay, not per iteration of a WHILE
+body, so the loop draws from a counter-based stream instead: the random number
+of a token is a function of ``(seed, sequence, position)``, the position
+being the loop's device tensor. A seed therefore gives the same tokens
+whatever the chunk size and the strategy. The settings live in device buffers
+written per generation; greedy and sampling bodies are captured separately
+(switching recaptures the loop), so greedy decoding pays nothing for sampling.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ from ..conditional.kernels import DECODE_STEP_MAX_BATCH, MAX_EOS_IDS
 from ..conditional.loop import LOOP_STRATEGIES
 from ..conditional.native_nodes import NativeConditional
 from ..tree import describe
+from .sampling import SamplingParams, draw, filter_scores, seed_key, uniform
 
 EosIds = int | Sequence[int] | torch.Tensor | None
 """An EOS id as transformers takes it: an int, a list or tuple of ints, an integer tensor (or None)."""
@@ -71,7 +80,8 @@ class DeviceDecodeLoop:
     Args:
         step: ``step(tokens, position) -> next_tokens``: ``tokens`` a ``(batch_size,)`` long
             tensor (the last token of each sequence), ``position`` a 0-dim long tensor (its
-            position, the same for every sequence); returns ``(batch_size,)`` integer token ids.
+            position, the same for every sequence); returns ``(batch_size,)`` integer token ids,
+            or ``(batch_size, vocab)`` floating logits (the loop then chooses: greedy or sampled).
         batch_size: the number of sequences (fixed: the loop's buffers are static).
         chunk: the most steps one launch runs (the cap of the WHILE loop).
         device: where the step's tensors live (default: the current CUDA device, else CPU).
@@ -110,6 +120,15 @@ class DeviceDecodeLoop:
                                      max_iters=chunk, strategy=strategy, copy_outputs=False,  # type: ignore[arg-type]
                                      warmup_iters=warmup_iters,
                                      native_step=self._native_step if self._fused else None)
+        # sampling's settings, written per generation (the captured body reads them): the Philox key, the
+        # temperature, top-k's k, top-p's removal threshold, and each row's sequence index
+        self._key = torch.zeros(2, **long)
+        self._temperature = torch.ones((), dtype=torch.float32, device=dev)
+        self._top_k = torch.zeros((), **long)
+        self._top_p_cut = torch.full((), -1.0, dtype=torch.float32, device=dev)
+        self._sequences = torch.arange(batch_size, **long)
+        self._sampling = False  # the body captured (or to capture) samples
+        self.returns_logits: bool | None = None  # what the step returned at the capture (None before it)
         self._lock = threading.Lock()
         self._generation = 0  # which chunks() iterator may launch
 
@@ -125,8 +144,22 @@ class DeviceDecodeLoop:
     def _body(self, tokens: torch.Tensor, position: torch.Tensor, out: torch.Tensor, control: torch.Tensor,
               unfinished: torch.Tensor, go: torch.Tensor) -> None:
         nxt = self.step(tokens, position)
-        if not isinstance(nxt, torch.Tensor) or nxt.numel() != self.batch_size or nxt.is_floating_point():
-            raise TypeError(f"step: expected {self.batch_size} integer token ids, got {describe(nxt)}")
+        if isinstance(nxt, torch.Tensor) and nxt.is_floating_point() and nxt.dim() == 2 \
+                and nxt.shape[0] == self.batch_size:
+            self.returns_logits = True
+            if self._sampling:
+                scores = filter_scores(nxt, self._temperature, self._top_k, self._top_p_cut)
+                nxt = draw(scores, uniform(self._key, self._sequences, position))
+            else:
+                nxt = nxt.argmax(dim=-1)
+        elif not isinstance(nxt, torch.Tensor) or nxt.numel() != self.batch_size or nxt.is_floating_point():
+            raise TypeError(f"step: expected {self.batch_size} integer token ids or ({self.batch_size}, vocab) "
+                            f"logits, got {describe(nxt)}")
+        else:
+            self.returns_logits = False
+            if self._sampling:
+                raise ValueError("do_sample=True: expected a step that returns (batch_size, vocab) logits; this "
+                                 "step returns token ids (greedy only)")
         if self._fused and self._loop.strategy == "native":  # the bookkeeping is the WHILE step's kernel
             self._nxt = nxt.reshape(self.batch_size).long().contiguous()
             return
@@ -161,7 +194,9 @@ class DeviceDecodeLoop:
             self._loop.capture()
 
     def chunks(self, tokens: torch.Tensor, position: int, *, max_new_tokens: int, eos_token_id: EosIds = None,
-               pad_token_id: int | None = None, unfinished: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
+               pad_token_id: int | None = None, unfinished: torch.Tensor | None = None, do_sample: bool = False,
+               temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+               seed: int | None = None) -> Iterator[torch.Tensor]:
         """Feed ``tokens`` at ``position`` and yield the next tokens, one ``(batch_size, k)`` tensor per
         launch (``k <= chunk``), until ``max_new_tokens`` or every sequence has ended.
 
@@ -171,6 +206,12 @@ class DeviceDecodeLoop:
         tensor, with an EOS id) marks the sequences still going on entry (default:
         all). Each yielded tensor is a copy (one kernel). Native strategy: the host
         reads three numbers per launch; host strategy: one per step.
+
+        ``do_sample=True`` (a step that returns logits) draws each token as
+        ``generate(do_sample=True)`` does, with ``temperature``, ``top_k`` and
+        ``top_p`` in transformers' order; ``seed`` (default: drawn from torch's
+        generator) fixes the tokens: the token of sequence ``i`` generated after
+        position ``p`` uses the stream's number at ``(seed, i, p)``.
 
         Arguments are checked and the state loaded now, not at the first ``next()``.
         One generation at a time: a later :meth:`chunks` or :meth:`generate` on the
@@ -188,8 +229,22 @@ class DeviceDecodeLoop:
             what = "pad_token_id" if pad_token_id is not None else "unfinished"
             raise ValueError(f"{what}: expected together with eos_token_id (without an EOS no sequence ends)")
         pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
+        params = SamplingParams(do_sample, temperature, top_k, top_p, seed).with_seed() if do_sample \
+            else SamplingParams(do_sample, temperature, top_k, top_p, seed)
         with self._lock:
+            if do_sample != self._sampling:  # the other body: capture it (the next _load does)
+                self._loop.close()
+                self._nxt = None
+                self._sampling = do_sample
+            if do_sample:
+                self._key.copy_(seed_key(params.seed or 0, "cpu"))
+                self._temperature.fill_(float(temperature))
+                self._top_k.fill_(2**62 if top_k is None else top_k)
+                self._top_p_cut.fill_(-1.0 if top_p is None or top_p >= 1.0 else 1.0 - top_p)
             self._load(tokens, position, unfinished)
+            if do_sample and self.returns_logits is False:
+                raise ValueError("do_sample=True: expected a step that returns (batch_size, vocab) logits; this "
+                                 "step returns token ids (greedy only)")
             self._eos_pad.copy_(torch.tensor([*eos, *[-1] * (MAX_EOS_IDS - len(eos)), pad]))
             self._generation += 1
             return self._iterate(self._generation, max_new_tokens)
@@ -208,10 +263,13 @@ class DeviceDecodeLoop:
                 yield part
 
     def generate(self, tokens: torch.Tensor, position: int, *, max_new_tokens: int, eos_token_id: EosIds = None,
-                 pad_token_id: int | None = None, unfinished: torch.Tensor | None = None) -> torch.Tensor:
+                 pad_token_id: int | None = None, unfinished: torch.Tensor | None = None, do_sample: bool = False,
+                 temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                 seed: int | None = None) -> torch.Tensor:
         """All of :meth:`chunks` as one ``(batch_size, n)`` tensor, ``n <= max_new_tokens``."""
         parts = list(self.chunks(tokens, position, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                                 pad_token_id=pad_token_id, unfinished=unfinished))
+                                 pad_token_id=pad_token_id, unfinished=unfinished, do_sample=do_sample,
+                                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
         if not parts:
             return torch.empty(self.batch_size, 0, dtype=torch.long, device=self._eos_pad.device)
         return torch.cat(parts, dim=1)

@@ -29,7 +29,8 @@ import torch
 
 from ..errors import ConfigError
 
-__all__ = ["SamplingParams", "philox4x32", "uniform", "filter_logits", "sample_tokens"]
+__all__ = ["SamplingParams", "philox4x32", "uniform", "seed_key", "filter_logits", "filter_tensors", "filter_scores",
+           "draw", "sample_tokens"]
 
 _MASK = 0xFFFFFFFF
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox4x32 multipliers
@@ -102,16 +103,17 @@ def philox4x32(counter: torch.Tensor, key: torch.Tensor, rounds: int = 10) -> to
     return torch.stack((c0, c1, c2, c3), dim=-1)
 
 
-def uniform(seed: int, sequence: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """The uniform number in [0, 1) (float64, 53 bits) of each ``(sequence, position)`` under ``seed``.
+def uniform(seed: int | torch.Tensor, sequence: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """The uniform number in [0, 1) (float64, 53 bits) of each ``(sequence, position)`` under ``seed``
+    (an int, or its :func:`seed_key` on the device: a captured graph reads the key from a buffer).
 
-    The counter is ``(position, sequence, 0, 0)`` and the key the seed's two 32-bit halves;
-    ``sequence`` and ``position`` broadcast against each other (int tensors, any device).
+    The counter is ``(position, sequence, position >> 32, 0)`` and the key the seed's two 32-bit
+    halves; ``sequence`` and ``position`` broadcast against each other (int tensors, any device).
     """
     seq, pos = torch.broadcast_tensors(sequence.to(torch.int64), position.to(torch.int64))
     zero = torch.zeros_like(seq)
     counter = torch.stack((pos & _MASK, seq & _MASK, (pos >> 32) & _MASK, zero), dim=-1)
-    key = torch.tensor([seed & _MASK, (seed >> 32) & _MASK], dtype=torch.int64, device=seq.device)
+    key = seed_key(seed, seq.device) if isinstance(seed, int) else seed
     words = philox4x32(counter, key)
     a = (words[..., 0] >> 5).to(torch.float64)  # 27 bits
     b = (words[..., 1] >> 6).to(torch.float64)  # 26 bits
@@ -122,19 +124,34 @@ def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | N
                   top_p: float | None = None) -> torch.Tensor:
     """``logits`` (``(batch, vocab)``) after temperature, top-k and top-p, in transformers' order and
     rules; removed tokens hold ``-inf``. Float32 (as transformers computes them)."""
-    scores = logits.float()
-    if temperature != 1.0:
-        scores = scores / temperature
-    if top_k is not None and top_k < scores.shape[-1]:
-        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, -math.inf)
-    if top_p is not None and top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, dim=-1, descending=False)
-        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        remove = cumulative <= (1 - top_p)
-        remove[..., -1:] = False  # at least one token stays
-        scores = scores.masked_fill(remove.scatter(-1, order, remove), -math.inf)
-    return scores
+    return filter_scores(logits, *filter_tensors(temperature, top_k, top_p, logits.shape[-1], logits.device))
+
+
+def filter_tensors(temperature: float, top_k: int | None, top_p: float | None, vocab: int,
+                   device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The filters' settings as the 0-dim tensors :func:`filter_scores` reads (a captured loop keeps them
+    in buffers, so one graph serves every setting): the temperature (float32), top-k's k (long; the
+    vocabulary size when off) and top-p's removal threshold ``1 - top_p`` (float32, rounded from float64
+    as transformers' comparison with a Python float rounds it; -1 when off: nothing is removed)."""
+    t = torch.tensor(float(temperature), dtype=torch.float32, device=device)
+    k = torch.tensor(vocab if top_k is None else min(top_k, vocab), dtype=torch.long, device=device)
+    cut = torch.tensor(-1.0 if top_p is None or top_p >= 1.0 else 1.0 - top_p, dtype=torch.float32, device=device)
+    return t, k, cut
+
+
+def filter_scores(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p_cut: torch.Tensor) -> torch.Tensor:
+    """:func:`filter_logits` with its settings as device tensors (:func:`filter_tensors`): no host read,
+    so it runs inside a captured graph; every strategy draws through it."""
+    scores = logits.float() / temperature
+    descending = scores.sort(dim=-1, descending=True).values
+    k = (top_k - 1).clamp(min=0, max=scores.shape[-1] - 1)  # a k above the vocabulary keeps every token
+    kth = descending.gather(-1, k.view(1, 1).expand(scores.shape[0], 1))
+    scores = scores.masked_fill(scores < kth, -math.inf)
+    ascending, order = torch.sort(scores, dim=-1, descending=False)
+    remove = ascending.softmax(dim=-1).cumsum(dim=-1) <= top_p_cut
+    remove[..., -1:] = False  # at least one token stays
+    return scores.masked_fill(remove.scatter(-1, order, remove), -math.inf)
 
 
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, sequence: torch.Tensor,
@@ -145,9 +162,20 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, sequence: torch.
         return logits.argmax(dim=-1)
     if params.seed is None:
         raise ConfigError("sample_tokens: expected params with a seed (SamplingParams.with_seed())")
-    probs = filter_logits(logits, params.temperature, params.top_k, params.top_p).softmax(dim=-1)
-    cdf = probs.to(torch.float64).cumsum(dim=-1)
-    u = uniform(params.seed, sequence, position).to(cdf.device).unsqueeze(-1) * cdf[..., -1:]
-    token = torch.searchsorted(cdf, u, right=True).squeeze(-1)
-    # u * total < total, so the index is in range; clamp guards a total rounded below a last cdf step
-    return token.clamp_(max=logits.shape[-1] - 1)
+    settings = filter_tensors(params.temperature, params.top_k, params.top_p, logits.shape[-1], logits.device)
+    key = seed_key(params.seed, logits.device)
+    return draw(filter_scores(logits, *settings), uniform(key, sequence.to(logits.device), position.to(logits.device)))
+
+
+def draw(scores: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token of each row of filtered ``scores`` at its uniform number ``u`` (``(batch,)``, [0, 1)):
+    the inverse of the softmax's cumulative distribution, in vocabulary order, in float64."""
+    cdf = scores.softmax(dim=-1).to(torch.float64).cumsum(dim=-1)
+    token = torch.searchsorted(cdf, u.unsqueeze(-1) * cdf[..., -1:], right=True).squeeze(-1)
+    # u * total < total, so the index is in range; the clamp guards a total rounded below the last step
+    return token.clamp_(max=scores.shape[-1] - 1)
+
+
+def seed_key(seed: int, device: torch.device | str) -> torch.Tensor:
+    """The Philox key of ``seed``: its two 32-bit halves, a ``(2,)`` long tensor."""
+    return torch.tensor([seed & _MASK, (seed >> 32) & _MASK], dtype=torch.int64, device=device)

@@ -1,0 +1,88 @@
+"""DeviceDecodeLoop sampling on the CPU (the eager strategy runs the body the device strategies capture): a step
+that returns logits, greedy or sampled; a seed gives the tokens of the reference sampler at (seed, sequence,
+position) whatever the chunk size; switching between greedy and sampling; wrong uses refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gfxgraph import ConfigError
+from hipgraph_bridge.generation import DeviceDecodeLoop
+from hipgraph_bridge.generation.sampling import SamplingParams, sample_tokens
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path; the GPU file covers a GPU")
+
+VOCAB, BATCH = 40, 3
+_TABLE = torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(0)) * 2
+
+
+def logits_step(tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """A toy model: the next token's logits depend on the last token and the position."""
+    return _TABLE[tokens] + 0.1 * torch.cos(position.float() * torch.arange(VOCAB, dtype=torch.float32))
+
+
+def reference(first: torch.Tensor, start: int, new: int, params: SamplingParams) -> torch.Tensor:
+    """The host loop with the reference sampler: the token after position p uses (seed, row, p)."""
+    tok, out = first, []
+    for i in range(new):
+        pos = torch.tensor(start + i)
+        tok = sample_tokens(logits_step(tok, pos), params, torch.arange(BATCH), pos.expand(BATCH))
+        out.append(tok)
+    return torch.stack(out, dim=1)
+
+
+FIRST = torch.tensor([1, 5, 9])
+
+
+def test_greedy_on_logits_is_argmax():
+    loop = DeviceDecodeLoop(logits_step, batch_size=BATCH, chunk=4, device="cpu")
+    got = loop.generate(FIRST, 2, max_new_tokens=9)
+    assert torch.equal(got, reference(FIRST, 2, 9, SamplingParams(do_sample=False)))
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 16])
+@pytest.mark.parametrize("settings", [{}, {"temperature": 0.7, "top_k": 5}, {"top_p": 0.8},
+                                      {"temperature": 1.3, "top_k": 3, "top_p": 0.9}])
+def test_a_seed_gives_the_reference_tokens_whatever_the_chunk(chunk, settings):
+    loop = DeviceDecodeLoop(logits_step, batch_size=BATCH, chunk=chunk, device="cpu")
+    got = loop.generate(FIRST, 2, max_new_tokens=12, do_sample=True, seed=99, **settings)
+    assert torch.equal(got, reference(FIRST, 2, 12, SamplingParams(do_sample=True, seed=99, **settings)))
+
+
+def test_seeds_differ_and_switching_modes_recaptures_the_body():
+    loop = DeviceDecodeLoop(logits_step, batch_size=BATCH, chunk=4, device="cpu")
+    a = loop.generate(FIRST, 0, max_new_tokens=16, do_sample=True, seed=1)
+    b = loop.generate(FIRST, 0, max_new_tokens=16, do_sample=True, seed=2)
+    greedy = loop.generate(FIRST, 0, max_new_tokens=16)
+    again = loop.generate(FIRST, 0, max_new_tokens=16, do_sample=True, seed=1)
+    assert not torch.equal(a, b) and torch.equal(a, again)
+    assert torch.equal(greedy, reference(FIRST, 0, 16, SamplingParams()))
+
+
+def test_sampling_with_eos_pads_after_the_end():
+    params = SamplingParams(do_sample=True, seed=7, top_k=8)
+    want = reference(FIRST, 0, 12, params)
+    eos = int(want[0, 3])
+    got = DeviceDecodeLoop(logits_step, batch_size=BATCH, chunk=4, device="cpu").generate(
+        FIRST, 0, max_new_tokens=12, do_sample=True, seed=7, top_k=8, eos_token_id=eos, pad_token_id=0)
+    first_end = [row.index(eos) if eos in row else None for row in want.tolist()]
+    for r, end in enumerate(first_end):
+        if end is None:
+            assert got[r].tolist() == want[r, :got.shape[1]].tolist()
+        else:
+            assert got[r, :end + 1].tolist() == want[r, :end + 1].tolist() and got[r, end + 1:].eq(0).all()
+
+
+def test_sampling_a_step_that_returns_token_ids_is_refused():
+    loop = DeviceDecodeLoop(lambda t, p: (t + 1) % VOCAB, batch_size=BATCH, chunk=4, device="cpu")
+    with pytest.raises(ValueError, match="returns \\(batch_size, vocab\\) logits"):
+        loop.generate(FIRST, 0, max_new_tokens=4, do_sample=True, seed=1)
+    assert loop.generate(FIRST, 0, max_new_tokens=2).tolist() == [[2, 3], [6, 7], [10, 11]]
+
+
+@pytest.mark.parametrize("kwargs", [{"temperature": 0.0}, {"top_k": 0}, {"top_p": 2.0}, {"seed": -3}])
+def test_bad_sampling_settings_are_config_errors(kwargs):
+    loop = DeviceDecodeLoop(logits_step, batch_size=BATCH, chunk=4, device="cpu")
+    with pytest.raises(ConfigError):
+        loop.generate(FIRST, 0, max_new_tokens=2, do_sample=True, **kwargs)
