@@ -3,7 +3,7 @@ by gfxgraph: ``python examples/hf_static_cache_generate.py``.
 
 Needs: torch and transformers (``pip install transformers``; without it the script says so in
 one line and exits with 1). With a CUDA or ROCm GPU the decode step replays a graph (bf16);
-without one it runs eagerly on the CPU (float32) and says so.
+without one it runs eagerly on the CPU (float32, a smaller model) and says so.
 
 The model is a small Llama built from a config with random weights (nothing is downloaded).
 The decode step ``(input_ids, position_ids, cache_position) -> next token`` reads and writes
@@ -68,8 +68,12 @@ def generate(model: LlamaForCausalLM, prompt: torch.Tensor, graphed: bool) -> tu
 
 
 def main() -> int:
-    cfg = LlamaConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
-                      num_key_value_heads=2, vocab_size=32000)
+    if DEVICE == "cuda":
+        cfg = LlamaConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+                          num_key_value_heads=2, vocab_size=32000)
+    else:  # eager on the CPU shows only that the pipeline runs: a smaller model says so in a fraction of the time
+        cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=1000)
     torch.manual_seed(0)
     if DEVICE == "cpu":
         print("hf_static_cache_generate: no GPU here, so the decode step runs eagerly on the CPU (no graphs)")

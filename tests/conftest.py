@@ -14,6 +14,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src"
 
+# Inductor compiles CPU kernels in a pool of worker processes by default (each one imports torch); the
+# tests compile a few small graphs, in parallel pytest workers already: one compile thread each is faster.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 
 def _gpu_reason() -> str | None:
     if not (torch.version.cuda or getattr(torch.version, "hip", None)):

@@ -54,20 +54,38 @@ def test_bench_list_from_outside_the_checkout_imports_no_suite(tmp_path: Path):
     assert r.stdout.strip().splitlines()[-1] == "['gfxgraph.suites._common']"
 
 
-@pytest.mark.parametrize("name", SUITE_FILES + ["_common"])
-def test_suite_imports_on_cpu_without_side_effects(name: str, tmp_path: Path):
-    code = f"""
-import os, sys, json, torch
-path, env = list(sys.path), dict(os.environ)
-import gfxgraph.suites.{name} as m
-print(json.dumps({{"cuda_initialized": torch.cuda.is_initialized(), "path_changed": sys.path != path,
-                  "env_changed": sorted(set(os.environ.items()) ^ set(env.items())),
-                  "main": callable(getattr(m, "main", None)),
-                  "transformers": "transformers" in sys.modules, "matplotlib": "matplotlib" in sys.modules}}))
+_IMPORT_EACH = """
+import importlib, json, os, sys, torch
+for name in sys.argv[1:]:
+    path, env, mods = list(sys.path), dict(os.environ), set(sys.modules)
+    cuda = torch.cuda.is_initialized()
+    m = importlib.import_module("gfxgraph.suites." + name)
+    new = set(sys.modules) - mods  # what this import brought in (not what an earlier suite did)
+    print(json.dumps({"name": name, "cuda_initialized": torch.cuda.is_initialized() and not cuda,
+                      "path_changed": sys.path != path,
+                      "env_changed": sorted(set(os.environ.items()) ^ set(env.items())),
+                      "main": callable(getattr(m, "main", None)),
+                      "transformers": "transformers" in new, "matplotlib": "matplotlib" in new}), flush=True)
 """
-    r = _py(code, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def suite_imports(tmp_path_factory) -> dict[str, dict]:
+    """Every suite imported in one fresh interpreter, one after another; each import's side effects are
+    what changed across it (one interpreter instead of one per suite: the torch import is paid once)."""
+    names = ["_common", *SUITE_FILES]
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    r = subprocess.run([sys.executable, "-W", "ignore", "-c", _IMPORT_EACH, *names], capture_output=True, text=True,
+                       cwd=tmp_path_factory.mktemp("imports"), env=env, timeout=300)
+    got = {d["name"]: d for d in (json.loads(line) for line in r.stdout.splitlines() if line.startswith("{"))}
+    assert r.returncode == 0 and len(got) == len(names), r.stderr[-3000:]
+    return got
+
+
+@pytest.mark.parametrize("name", SUITE_FILES + ["_common"])
+def test_suite_imports_on_cpu_without_side_effects(name: str, suite_imports):
+    got = dict(suite_imports[name])
+    del got["name"]
     assert got == {"cuda_initialized": False, "path_changed": False, "env_changed": [],
                    "main": name != "_common", "transformers": False, "matplotlib": False}
 

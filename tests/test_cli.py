@@ -22,6 +22,26 @@ sys.exit(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
 """
 
 
+@pytest.fixture
+def in_process(monkeypatch, capsys):
+    """``cli.main(argv)`` in this process: (exit code, stdout, stderr); sys.path, sys.argv and the stderr
+    handler put back. For what needs no fresh interpreter (a subprocess costs a torch import)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "argv", ["gfxgraph"])
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        try:
+            code = cli.main(list(argv))
+        except SystemExit as exc:  # argparse's exits (--version)
+            code = exc.code if isinstance(exc.code, int) else 0
+        finally:
+            log.detach_stderr_handler()
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run
+
+
 def _cli(*args: str, env: dict[str, str] | None = None,
          cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     full = {**os.environ, "PYTHONPATH": str(SRC)}
@@ -74,26 +94,29 @@ def _last_line(stderr: str) -> str:
     return lines[-1] if lines else ""
 
 
-def test_missing_script_is_one_clear_line(tmp_path: Path):
-    r = _cli("run", str(tmp_path / "nope.py"))
-    assert r.returncode == 2
-    assert _last_line(r.stderr) == f"gfxgraph run: expected a Python script, but {str(tmp_path / 'nope.py')!r} is not a file"
+def test_missing_script_is_one_clear_line(tmp_path: Path, in_process):
+    code, _, err = in_process("run", str(tmp_path / "nope.py"))
+    assert code == 2
+    assert _last_line(err) == f"gfxgraph run: expected a Python script, but {str(tmp_path / 'nope.py')!r} is not a file"
 
 
-def test_missing_module_is_one_clear_line(tmp_path: Path):
-    r = _cli("run", "-m", "no_such_module_here", cwd=tmp_path)
-    assert r.returncode == 2
-    assert _last_line(r.stderr).startswith("gfxgraph run: no module named 'no_such_module_here' (searched sys.path")
-    r = _cli("run", "-m", "no_such_pkg.server", cwd=tmp_path)
-    assert r.returncode == 2 and "no module named 'no_such_pkg.server'" in _last_line(r.stderr)
+def test_missing_module_is_one_clear_line(tmp_path: Path, in_process, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = in_process("run", "-m", "no_such_module_here")
+    assert code == 2
+    assert _last_line(err).startswith("gfxgraph run: no module named 'no_such_module_here' (searched sys.path")
+    code, _, err = in_process("run", "-m", "no_such_pkg.server")
+    assert code == 2 and "no module named 'no_such_pkg.server'" in _last_line(err)
 
 
-def test_package_without_main_is_one_clear_line(tmp_path: Path):
-    (tmp_path / "lib_only").mkdir()
-    (tmp_path / "lib_only" / "__init__.py").write_text("")
-    r = _cli("run", "-m", "lib_only", cwd=tmp_path)
-    assert r.returncode == 2
-    assert "'lib_only' is a package and cannot be directly executed" in _last_line(r.stderr)
+def test_package_without_main_is_one_clear_line(tmp_path: Path, in_process, monkeypatch):
+    (tmp_path / "lib_only_pkg_25").mkdir()
+    (tmp_path / "lib_only_pkg_25" / "__init__.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "lib_only_pkg_25", raising=False)
+    code, _, err = in_process("run", "-m", "lib_only_pkg_25")
+    assert code == 2
+    assert "'lib_only_pkg_25' is a package and cannot be directly executed" in _last_line(err)
 
 
 def test_import_error_inside_the_module_keeps_its_traceback(tmp_path: Path):
@@ -121,11 +144,11 @@ def test_dash_m_after_the_script_belongs_to_the_script(tmp_path: Path):
 
 
 @pytest.mark.parametrize("flag", ["--version", "-V"])
-def test_version_flag_is_the_version_command(flag):
-    r = _cli(flag)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout == _cli("version").stdout
-    assert r.stdout.startswith("gfxgraph ")
+def test_version_flag_is_the_version_command(flag, in_process):
+    code, out, err = in_process(flag)
+    assert code == 0, err
+    assert out == in_process("version")[1]
+    assert out.startswith("gfxgraph ")
 
 
 # ------------------------------------------------------------ sys.path, as python does
@@ -178,40 +201,39 @@ def test_main_in_process_puts_the_current_directory_first(tmp_path: Path, monkey
     assert sys.path[0] == str(tmp_path)
 
 
-def test_doctor_json_reports_why_not_ok():
-    r = _cli("doctor", "--json")
-    assert r.returncode == 0, r.stderr
-    report = json.loads(r.stdout)
+def test_doctor_json_reports_why_not_ok(in_process):
+    code, out, err = in_process("doctor", "--json")
+    assert code == 0, err
+    report = json.loads(out)
     assert {"ok", "gpu", "arch", "rocm", "backend", "native_bridge", "vram_total_mb", "vram_free_mb",
             "details"} <= report.keys()
     if not report["ok"]:
         assert report["details"] and report["details"][0]
-        strict = _cli("doctor", "--strict")
-        assert strict.returncode == 1
+        assert in_process("doctor", "--strict")[0] == 1
 
 
-def test_version():
-    r = _cli("version")
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("gfxgraph ") and "torch " in r.stdout
+def test_version(in_process):
+    code, out, err = in_process("version")
+    assert code == 0, err
+    assert out.startswith("gfxgraph ") and "torch " in out
 
 
-def test_bench_lists_suites_and_skips_without_gpu():
-    r = _cli("bench", "--list")
-    assert r.returncode == 0, r.stderr
-    assert "replay_overhead" in r.stdout and "shape_bucketing" in r.stdout
-    bad = _cli("bench", "--suite", "nope")
-    assert bad.returncode == 2 and "unknown suite" in bad.stderr
+def test_bench_lists_suites_and_skips_without_gpu(in_process):
+    code, out, err = in_process("bench", "--list")
+    assert code == 0, err
+    assert "replay_overhead" in out and "shape_bucketing" in out
+    code, _, err = in_process("bench", "--suite", "nope")
+    assert code == 2 and "unknown suite" in err
 
 
-def test_bench_render_writes_tables(tmp_path: Path):
+def test_bench_render_writes_tables(tmp_path: Path, in_process):
     src = tmp_path / "in"
     src.mkdir()
     doc = {"benchmark": "demo", "environment": {"device": "X", "torch": "t", "date": "d"},
            "figures": [{"name": "ratio", "value": 1.02, "unit": "", "target": "<= 1.05", "pass": True, "note": ""}]}
     (src / "demo.json").write_text(json.dumps(doc))
-    r = _cli("bench", "--render", str(src), "--out", str(tmp_path / "out"))
-    assert r.returncode == 0, r.stderr
+    code, _, err = in_process("bench", "--render", str(src), "--out", str(tmp_path / "out"))
+    assert code == 0, err
     table = (tmp_path / "out" / "demo.md").read_text()
     assert "| ratio | 1.02 | <= 1.05 | pass |" in table
 
@@ -227,17 +249,17 @@ def test_run_module_passes_its_options_through(tmp_path: Path):
 
 
 # ------------------------------------------------------------------ doctor
-def test_doctor_reports_a_bad_vram_cap_and_strict_fails():
-    bad = {"GFXGRAPH_VRAM_CAP": "2"}
-    r = _cli("doctor", env=bad)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.splitlines()[0].endswith("doctor: NOT OK")
-    assert "  - configuration: GFXGRAPH_VRAM_CAP='2': expected a fraction of device memory in (0.0, 1.0]" in r.stdout
-    report = json.loads(_cli("doctor", "--json", env=bad).stdout)
+def test_doctor_reports_a_bad_vram_cap_and_strict_fails(in_process, monkeypatch):
+    monkeypatch.setenv("GFXGRAPH_VRAM_CAP", "2")  # read by each doctor run
+    code, out, err = in_process("doctor")
+    assert code == 0, err
+    assert out.splitlines()[0].endswith("doctor: NOT OK")
+    assert "  - configuration: GFXGRAPH_VRAM_CAP='2': expected a fraction of device memory in (0.0, 1.0]" in out
+    report = json.loads(in_process("doctor", "--json")[1])
     assert report["ok"] is False
     assert report["config_errors"] and report["config_errors"][0].startswith("GFXGRAPH_VRAM_CAP='2'")
     assert report["details"][0] == f"configuration: {report['config_errors'][0]}"  # the first detail says why
-    assert _cli("doctor", "--strict", env=bad).returncode == 1
+    assert in_process("doctor", "--strict")[0] == 1
 
 
 @pytest.mark.skipif(GPU_SKIP_REASON is None, reason="CPU-only behaviour")
@@ -247,58 +269,47 @@ def test_doctor_forced_ctypes_on_cpu_torch_is_no_native_bridge():
     assert any(d.startswith("native bridge: ") for d in report["details"])
 
 
-# ------------------------------------------------------------------ messages that guide (in-process: fast)
-def _main(capsys, *argv: str) -> tuple[int, str, str]:
-    code = cli.main(list(argv))
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
+# ------------------------------------------------------------------ messages that guide
 def _one_line(err: str) -> str:
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
     return lines[0]
 
 
-def test_a_mistyped_command_lists_the_commands(capsys):
-    code, _, err = _main(capsys, "doctr")
+def test_a_mistyped_command_lists_the_commands(in_process):
+    code, _, err = in_process("doctr")
     line = _one_line(err)
     assert code == 2
     assert "'doctr' is neither a command nor a script file" in line
     assert "run, doctor, version, bench" in line and "did you mean 'doctor'?" in line
 
 
-def test_the_mistyped_command_through_the_console_entry_exits_2():
-    r = _cli("doctr")
-    assert r.returncode == 2 and "commands: run, doctor, version, bench" in _last_line(r.stderr)
-
-
-def test_bench_list_of_an_unknown_suite_is_one_line(capsys):
-    code, out, err = _main(capsys, "bench", "--list", "--suite", "nosuch")
+def test_bench_list_of_an_unknown_suite_is_one_line(in_process):
+    code, out, err = in_process("bench", "--list", "--suite", "nosuch")
     assert code == 2 and not out
     line = _one_line(err)
     assert "unknown suite(s) 'nosuch'" in line and "replay_overhead" in line
-    code, out, _ = _main(capsys, "bench", "--list", "--suite", "tier2")
+    code, out, _ = in_process("bench", "--list", "--suite", "tier2")
     assert code == 0 and out.startswith("tier2") and len(out.strip().splitlines()) == 1
 
 
-def test_bench_out_that_cannot_be_written_is_one_line(tmp_path: Path, capsys):
+def test_bench_out_that_cannot_be_written_is_one_line(tmp_path: Path, in_process):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     for args in (("bench", "--suite", "tier2", "--out", str(blocker / "sub")),
                  ("bench", "--render", str(tmp_path), "--out", str(blocker))):
         if args[1] == "--render":
             (tmp_path / "demo.json").write_text(json.dumps({"benchmark": "demo", "figures": []}))
-        code, _, err = _main(capsys, *args)
+        code, _, err = in_process(*args)
         line = _one_line(err)
         assert code == 2 and "cannot create the output folder" in line and str(blocker) in line, line
 
 
 @pytest.mark.skipif(GPU_SKIP_REASON is None, reason="the no-GPU message")
 @pytest.mark.parametrize("suite", ["llm_decode", "hf_generate", "device_generate", None])
-def test_gpu_suites_without_a_gpu_are_one_line_exit_2(tmp_path: Path, capsys, suite):
+def test_gpu_suites_without_a_gpu_are_one_line_exit_2(tmp_path: Path, in_process, suite):
     args = ("bench", "--out", str(tmp_path / "o")) + (("--suite", suite) if suite else ())
-    code, out, err = _main(capsys, *args)
+    code, out, err = in_process(*args)
     line = _one_line(err)
     assert code == 2 and not out
     assert "measure GPU graphs and this machine has no usable GPU" in line
@@ -306,11 +317,11 @@ def test_gpu_suites_without_a_gpu_are_one_line_exit_2(tmp_path: Path, capsys, su
 
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="the message without matplotlib")
-def test_bench_render_without_matplotlib_says_tables_only_and_how_to_get_plots(tmp_path: Path, capsys):
+def test_bench_render_without_matplotlib_says_tables_only_and_how_to_get_plots(tmp_path: Path, in_process):
     doc = {"benchmark": "demo", "environment": {"device": "X", "torch": "t", "date": "d"},
            "figures": [{"name": "ratio", "value": 1.0, "unit": "", "target": None, "pass": None, "note": ""}]}
     (tmp_path / "demo.json").write_text(json.dumps(doc))
-    code, out, _ = _main(capsys, "bench", "--render", str(tmp_path), "--out", str(tmp_path / "o"))
+    code, out, _ = in_process("bench", "--render", str(tmp_path), "--out", str(tmp_path / "o"))
     assert code == 0 and (tmp_path / "o" / "demo.md").is_file()
     assert "wrote tables only" in out and "pip install 'gfxgraph[plot]'" in out
 

@@ -85,7 +85,6 @@ def test_readme_example_without_no_grad_replays_graphs(caplog):
 def test_training_loop_matches_eager_losses_with_flat_memory(compiler):
     """50 SGD steps through the backend (forward and backward graphs replayed) against the same steps
     eagerly: losses equal within tolerance, no capture after the first steps, allocated memory flat."""
-    torch.backends.cuda.matmul.allow_tf32 = False
     eager = _model(128)
     graphed = copy.deepcopy(eager)
     fast = torch.compile(graphed, backend="gfxgraph", options={"compiler": compiler})

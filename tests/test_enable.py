@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import threading
+import warnings
 
 import pytest
 import torch
 import torch.cuda.graphs
 
 import gfxgraph
+from conftest import SRC
 from gfxgraph import BridgedCUDAGraph
 from hipgraph_bridge import OriginalCUDAGraph
 
@@ -158,3 +163,21 @@ def test_import_attaches_no_handler_unless_a_level_is_asked_for(py):
     r = py(code, env={"GFXGRAPH_LOG_LEVEL": "info"})
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["1", str(logging.INFO)]
+
+
+
+def test_every_source_file_compiles_without_a_warning():
+    """An invalid escape sequence is a SyntaxWarning at import on Python 3.12 (DeprecationWarning before);
+    compiled here from source, so a cached .pyc cannot hide it."""
+    for path in sorted(SRC.rglob("*.py")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            compile(path.read_text(encoding="utf-8"), str(path), "exec")
+
+
+def test_import_prints_no_warning():
+    """``python -W error -c "import gfxgraph"``: torch's NumPy warning (numpy is in the test extra the README
+    installs) and any warning of gfxgraph's own would be an error."""
+    r = subprocess.run([sys.executable, "-W", "error", "-c", "import gfxgraph, numpy"], capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=120)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
