@@ -86,3 +86,13 @@ def test_bad_sampling_settings_are_config_errors(kwargs):
     loop = DeviceDecodeLoop(logits_step, batch_size=BATCH, chunk=4, device="cpu")
     with pytest.raises(ConfigError):
         loop.generate(FIRST, 0, max_new_tokens=2, do_sample=True, **kwargs)
+
+
+def test_a_recapture_after_a_generation_starts_from_column_zero():
+    # chunk 1: a generation leaves the output column at 1, outside a 1-column buffer; the warm-up of the
+    # recapture that a switch to sampling makes must not write there
+    loop = DeviceDecodeLoop(logits_step, batch_size=BATCH, chunk=1, device="cpu")
+    loop.generate(FIRST, 0, max_new_tokens=3)
+    assert int(loop._loop.state[3][0]) == 1
+    loop._load(FIRST, 0, None)
+    assert loop._loop.state[3].tolist()[:2] == [0, 1]

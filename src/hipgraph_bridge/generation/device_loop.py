@@ -275,7 +275,7 @@ class DeviceDecodeLoop:
         return torch.cat(parts, dim=1)
 
     def _load(self, tokens: torch.Tensor, position: int, unfinished: torch.Tensor | None) -> None:
-        tok, pos, _, _, alive, _ = self._loop.state
+        tok, pos, _, control, alive, _ = self._loop.state
         _check_vector("tokens", tokens, tok, integer=True)
         if unfinished is not None:
             _check_vector("unfinished", unfinished, alive, integer=False)
@@ -283,6 +283,10 @@ class DeviceDecodeLoop:
             tok.copy_(tokens.reshape(self.batch_size))
             pos.fill_(position)
             alive.copy_(True if unfinished is None else unfinished)
+            # the output column back to 0: a capture after an earlier generation (a switch between greedy
+            # and sampling, a close()) warms up on this state, and the body writes column control[_COL]
+            control[_COL] = 0
+            control[_LIMIT] = self.chunk
         if self._loop.strategy == "pending":
             # after the load: the warm-up runs the step at this generation's own position (a KV cache
             # written there is overwritten by the first real step) and puts the loaded state back
