@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _tiny_llama import prompt, tiny_llama
 from gfxgraph import ConfigError
+from gfxgraph.hf import StaticCacheDecoder
 from hipgraph_bridge.generation import DeviceDecodeLoop
 from hipgraph_bridge.generation.sampling import SamplingParams, sample_tokens
 
@@ -96,3 +98,28 @@ def test_a_recapture_after_a_generation_starts_from_column_zero():
     assert int(loop._loop.state[3][0]) == 1
     loop._load(FIRST, 0, None)
     assert loop._loop.state[3].tolist()[:2] == [0, 1]
+
+
+def test_static_cache_decoder_samples_the_same_tokens_with_and_without_the_device_loop():
+    transformers = pytest.importorskip("transformers")
+    model = tiny_llama(transformers, device="cpu")
+    ids = prompt(2, 5, device="cpu")
+    settings = dict(do_sample=True, temperature=0.9, top_k=50, top_p=0.95, seed=11)
+    host = StaticCacheDecoder(model, max_cache_len=32, graphs=False).generate(ids, max_new_tokens=12,
+                                                                               eos_token_id=None, **settings)
+    looped = StaticCacheDecoder(model, max_cache_len=32, device_loop=4).generate(ids, max_new_tokens=12,
+                                                                                 eos_token_id=None, **settings)
+    assert torch.equal(host, looped)
+    # the reference: transformers' forward pass, the token after position p drawn at (seed, row, p)
+    with torch.no_grad():
+        seq = ids
+        params = SamplingParams(**settings)
+        for i in range(12):
+            p = seq.shape[1] - 1
+            logits = model(input_ids=seq).logits[:, -1, :]
+            tok = sample_tokens(logits, params, torch.arange(2), torch.full((2,), p))
+            seq = torch.cat([seq, tok.view(2, 1)], dim=1)
+    assert torch.equal(host, seq[:, ids.shape[1]:])
+    other = StaticCacheDecoder(model, max_cache_len=32, graphs=False).generate(
+        ids, max_new_tokens=12, eos_token_id=None, **{**settings, "seed": 12})
+    assert not torch.equal(host, other)

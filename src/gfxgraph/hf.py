@@ -12,7 +12,7 @@ Two ways, both for a causal LM with a static KV cache (transformers >= 4.46):
   batch size gets a graph (bucketed, or of its exact size: the step writes the
   static cache, which is never padded), all in one memory pool.
 
-* :class:`StaticCacheDecoder` is greedy decoding without ``generate()``'s per-token
+* :class:`StaticCacheDecoder` is greedy or sampled decoding without ``generate()``'s per-token
   Python: one static cache and one captured decode step per batch size, called
   zero-copy (the step's inputs are written into the graph's own buffers).
   transformers 5's ``StaticCache`` keeps its write position on the device and
@@ -44,6 +44,7 @@ from hipgraph_bridge.checks import check_token_ids
 from hipgraph_bridge.errors import ConfigError
 from hipgraph_bridge.generation import DeviceDecodeLoop
 from hipgraph_bridge.generation.device_loop import EosIds
+from hipgraph_bridge.generation.sampling import SamplingParams, sample_tokens
 
 __all__ = ["compile_config", "StaticCacheDecoder"]
 
@@ -104,7 +105,7 @@ class _Slot:
 
 
 class StaticCacheDecoder:
-    """Greedy decoding with a static KV cache and a captured decode step per batch size.
+    """Greedy or sampled decoding with a static KV cache and a captured decode step per batch size.
 
     Args:
         model: a transformers causal LM (``model(input_ids=..., position_ids=...,
@@ -173,7 +174,7 @@ class StaticCacheDecoder:
         def step(ids: torch.Tensor, pos: torch.Tensor, cp: torch.Tensor) -> torch.Tensor:
             logits = model(input_ids=ids, position_ids=pos, cache_position=cp, past_key_values=cache,
                            use_cache=True).logits
-            return logits[:, -1, :].argmax(dim=-1)
+            return logits[:, -1, :]  # the token is chosen outside the graph: greedy or sampled
 
         with torch.no_grad():  # the cache's tensors exist after a first write: a prefill of one token
             model(input_ids=torch.zeros(batch, 1, dtype=torch.long, device=dev),
@@ -200,7 +201,7 @@ class StaticCacheDecoder:
         def step(tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
             logits = model(input_ids=tokens.view(batch, 1), position_ids=position.view(1, 1).expand(batch, 1),
                            cache_position=position.view(1), past_key_values=cache, use_cache=True).logits
-            return logits[:, -1, :].argmax(dim=-1)
+            return logits[:, -1, :]  # the loop chooses the token: greedy, or sampled in its body
 
         assert self.device_loop is not None
         loop = DeviceDecodeLoop(step, batch_size=batch, chunk=self.device_loop, device=self.device,
@@ -210,8 +211,17 @@ class StaticCacheDecoder:
         return _Slot(cache, step, None, None, time.perf_counter() - t0, loop)
 
     def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token_id: EosIds | object = FROM_CONFIG,
-                 pad_token_id: int | None = None) -> torch.Tensor:
-        """Greedy tokens after the prompt, shape ``(batch, n)`` with ``n <= max_new_tokens``.
+                 pad_token_id: int | None = None, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> torch.Tensor:
+        """Tokens after the prompt, shape ``(batch, n)`` with ``n <= max_new_tokens``: greedy, or sampled.
+
+        ``do_sample=True`` draws each token as transformers' ``generate(do_sample=True)``
+        does (``temperature``, then ``top_k``, then ``top_p``, at least one token kept),
+        from a counter-based stream (:mod:`hipgraph_bridge.generation.sampling`): the
+        token of row ``i`` chosen from the logits at position ``p`` uses the number at
+        ``(seed, i, p)``, so a ``seed`` gives the same tokens with or without the
+        device loop, for any ``device_loop`` chunk and strategy. The stream is not
+        PyTorch's generator: the tokens differ from transformers' for the same seed.
 
         Every row's prompt is ``n`` real tokens (no padding, no attention mask:
         batch prompts of equal length; left-padded prompts would differ from
@@ -243,10 +253,12 @@ class StaticCacheDecoder:
         if pad_token_id is not None and (isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int)
                                          or pad_token_id < 0):
             raise ValueError(f"pad_token_id: expected None or an int >= 0, got {pad_token_id!r}")
+        params = SamplingParams(do_sample, temperature, top_k, top_p, seed)
+        params = params.with_seed() if do_sample else params
         slot = self._slot(b)
         with torch.no_grad():
             return self._decode(slot, input_ids, max_new_tokens, eos,
-                                (eos[0] if eos else None) if pad_token_id is None else pad_token_id)
+                                (eos[0] if eos else None) if pad_token_id is None else pad_token_id, params)
 
     def _eos_ids(self, eos_token_id: Any) -> tuple[int, ...]:
         """The EOS ids of a generation (empty: none), from the argument or the model's generation config."""
@@ -259,12 +271,17 @@ class StaticCacheDecoder:
         return () if eos_token_id is None else check_token_ids("eos_token_id", eos_token_id)
 
     def _decode(self, slot: _Slot, input_ids: torch.Tensor, new: int, eos_ids: tuple[int, ...],
-                pad: int | None) -> torch.Tensor:
+                pad: int | None, params: SamplingParams) -> torch.Tensor:
         b, n = input_ids.shape
         slot.cache.reset()  # whatever capture, warm-up or an earlier generation wrote
         logits = self.model(input_ids=input_ids, cache_position=torch.arange(n, device=input_ids.device),
                             past_key_values=slot.cache, use_cache=True).logits
-        tok = logits[:, -1, :].argmax(dim=-1)
+        rows = torch.arange(b, device=input_ids.device)
+
+        def choose(scores: torch.Tensor, pos: int) -> torch.Tensor:  # the token after position pos
+            return sample_tokens(scores, params, rows, torch.full((b,), pos, device=rows.device))
+
+        tok = choose(logits[:, -1, :], n - 1)
         unfinished = torch.ones(b, dtype=torch.bool, device=input_ids.device)
         ends = bool(eos_ids)  # without an EOS id nothing ends: no pad id, no mask, no host read
         eos = torch.tensor(eos_ids, dtype=torch.long, device=input_ids.device)
@@ -272,7 +289,9 @@ class StaticCacheDecoder:
             if ends:
                 unfinished &= ~torch.isin(tok, eos)
             rest = slot.loop.generate(tok, n, max_new_tokens=new - 1, eos_token_id=list(eos_ids) if ends else None,
-                                      pad_token_id=pad if ends else None, unfinished=unfinished if ends else None)
+                                      pad_token_id=pad if ends else None, unfinished=unfinished if ends else None,
+                                      do_sample=params.do_sample, temperature=params.temperature,
+                                      top_k=params.top_k, top_p=params.top_p, seed=params.seed)
             return torch.cat([tok.view(b, 1), rest], dim=1)
         out = torch.empty(b, new, dtype=torch.long, device=input_ids.device)
         for i in range(new):
@@ -282,11 +301,11 @@ class StaticCacheDecoder:
             out[:, i] = tok
             if i == new - 1 or (ends and not bool(unfinished.any())):
                 return out[:, :i + 1]
-            tok = self._step(slot, tok, n + i)
+            tok = choose(self._step(slot, tok, n + i), n + i)
         return out
 
     def _step(self, slot: _Slot, tok: torch.Tensor, pos: int) -> torch.Tensor:
-        """The next greedy token after ``tok`` at position ``pos``: the graph, written into zero-copy."""
+        """The logits after ``tok`` at position ``pos``: the graph, written into zero-copy."""
         if slot.io is None:
             b = tok.shape[0]
             return slot.step(tok.view(b, 1), torch.full((b, 1), pos, dtype=torch.long, device=tok.device),
@@ -295,4 +314,4 @@ class StaticCacheDecoder:
         ids.copy_(tok.view(-1, 1))
         position_ids.fill_(pos)
         cache_position.fill_(pos)
-        return slot.io.run()  # overwritten by the next step: _decode has copied it out (and in) by then
+        return slot.io.run()  # overwritten by the next step: the token chosen from it is a new tensor
