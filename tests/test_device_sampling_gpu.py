@@ -69,3 +69,20 @@ def test_gpu_draws_follow_the_filtered_distribution(t, k, p):
     chi2 = (((counts[kept] - expected) ** 2) / expected).sum().item()
     critical = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}[int(kept.sum()) - 1]
     assert chi2 < critical, (chi2, counts.tolist(), expected.tolist())
+
+
+def test_static_cache_decoder_samples_alike_on_every_path():
+    transformers = pytest.importorskip("transformers")
+    from _tiny_llama import prompt, tiny_llama
+    from gfxgraph.hf import StaticCacheDecoder
+
+    model = tiny_llama(transformers)
+    ids = prompt(4, 6)
+    settings = dict(do_sample=True, temperature=0.8, top_k=40, top_p=0.9, seed=3, eos_token_id=None)
+    want = StaticCacheDecoder(model, max_cache_len=64, graphs=False).generate(ids, max_new_tokens=24, **settings)
+    graphed = StaticCacheDecoder(model, max_cache_len=64).generate(ids, max_new_tokens=24, **settings)
+    assert torch.equal(graphed, want)
+    for strategy in ("native", "host"):
+        for chunk in (1, 16):
+            dec = StaticCacheDecoder(model, max_cache_len=64, device_loop=chunk, strategy=strategy)
+            assert torch.equal(dec.generate(ids, max_new_tokens=24, **settings), want), (strategy, chunk)
