@@ -91,10 +91,11 @@ def test_training_loop_matches_eager_losses_with_flat_memory(compiler):
     opt_e = torch.optim.SGD(eager.parameters(), lr=0.05)
     opt_g = torch.optim.SGD(graphed.parameters(), lr=0.05)
     gen = torch.Generator(device="cuda").manual_seed(1)
+    # one batch, fitted for 50 steps: its loss falls steadily (fresh random targets every step would not)
+    x = torch.randn(32, 128, device="cuda", generator=gen)
+    target = torch.randn(32, 128, device="cuda", generator=gen)
     losses_e, losses_g, allocated, captures, replays = [], [], [], [], []
     for _ in range(50):
-        x = torch.randn(32, 128, device="cuda", generator=gen)
-        target = torch.randn(32, 128, device="cuda", generator=gen)
         for model, opt, losses in ((eager, opt_e, losses_e), (fast, opt_g, losses_g)):
             loss = torch.nn.functional.mse_loss(model(x), target)
             loss.backward()
@@ -108,7 +109,7 @@ def test_training_loop_matches_eager_losses_with_flat_memory(compiler):
         captures.append(st["capture_count"])
         replays.append(st["replay_count"])
     torch.testing.assert_close(torch.tensor(losses_g), torch.tensor(losses_e), rtol=1e-3, atol=1e-5)
-    assert losses_g[-1] < losses_g[0]  # it trained
+    assert losses_g[-1] < 0.9 * losses_g[0], losses_g  # it trained
     trees = [s for s in subgraphs() if s.state is SubgraphState.TREES]
     assert trees and all(s.compiler == compiler for s in trees), [repr(s) for s in subgraphs()]
     assert backend_stats()["trees"]["unused_backwards"] == 0  # every forward's graph went through a backward

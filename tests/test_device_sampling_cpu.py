@@ -123,3 +123,12 @@ def test_static_cache_decoder_samples_the_same_tokens_with_and_without_the_devic
     other = StaticCacheDecoder(model, max_cache_len=32, graphs=False).generate(
         ids, max_new_tokens=12, eos_token_id=None, **{**settings, "seed": 12})
     assert not torch.equal(host, other)
+
+
+def test_capture_for_a_kind_of_generation_restarts_the_column_and_keeps_the_body():
+    loop = DeviceDecodeLoop(logits_step, batch_size=BATCH, chunk=1, device="cpu")
+    loop.generate(FIRST, 0, max_new_tokens=2)
+    loop.capture(do_sample=True)
+    assert loop._sampling and loop._loop.state[3].tolist()[:2] == [0, 1]
+    with pytest.raises(TypeError, match="do_sample"):
+        loop.capture(do_sample="yes")

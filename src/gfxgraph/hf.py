@@ -273,6 +273,8 @@ class StaticCacheDecoder:
     def _decode(self, slot: _Slot, input_ids: torch.Tensor, new: int, eos_ids: tuple[int, ...],
                 pad: int | None, params: SamplingParams) -> torch.Tensor:
         b, n = input_ids.shape
+        if slot.loop is not None:  # the loop's body for this kind of generation, captured before the reset
+            slot.loop.capture(do_sample=params.do_sample)
         slot.cache.reset()  # whatever capture, warm-up or an earlier generation wrote
         logits = self.model(input_ids=input_ids, cache_position=torch.arange(n, device=input_ids.device),
                             past_key_values=slot.cache, use_cache=True).logits

@@ -185,13 +185,33 @@ class DeviceDecodeLoop:
         native.launch_decode_step(handle, nxt=self._nxt, tokens=tokens, out=out, control=control,
                                   position=position, unfinished=unfinished, eos_pad=self._eos_pad)
 
-    def capture(self) -> None:
-        """Capture the loop now (otherwise the first generation does, at its own tokens and position).
-        It runs the step ``warmup_iters`` times (twice per stream on the native path), so a step whose
-        state advances on every run (transformers 5's ``StaticCache`` keeps its own write position)
-        must have it reset afterwards: capture first, then reset and prefill."""
+    def capture(self, *, do_sample: bool = False) -> None:
+        """Capture the loop now for greedy or sampled generations (otherwise the first generation does,
+        at its own tokens and position; a generation of the other kind captures again). It runs the
+        step ``warmup_iters`` times (twice per stream on the native path), so a step whose state
+        advances on every run (transformers 5's ``StaticCache`` keeps its own write position) must
+        have it reset afterwards: capture first, then reset and prefill."""
+        if not isinstance(do_sample, bool):
+            raise TypeError(f"do_sample: expected a bool, got {do_sample!r}")
         with self._lock:
-            self._loop.capture()
+            self._use_body(do_sample)
+            self._restart_column()
+            self._loop.capture()  # idempotent: nothing when this body is captured already
+
+    def _restart_column(self) -> None:
+        """The output column back to 0 and the limit to a chunk: a capture warms up on the state, and the
+        body writes column ``control[_COL]`` (after a generation it may sit at the end of the buffer)."""
+        control = self._loop.state[_STATE.index("control")]
+        with torch.no_grad():
+            control[_COL] = 0
+            control[_LIMIT] = self.chunk
+
+    def _use_body(self, do_sample: bool) -> None:
+        """Make the loop's body the greedy or the sampling one (dropping a capture of the other)."""
+        if do_sample != self._sampling:
+            self._loop.close()
+            self._nxt = None
+            self._sampling = do_sample
 
     def chunks(self, tokens: torch.Tensor, position: int, *, max_new_tokens: int, eos_token_id: EosIds = None,
                pad_token_id: int | None = None, unfinished: torch.Tensor | None = None, do_sample: bool = False,
@@ -232,10 +252,7 @@ class DeviceDecodeLoop:
         params = SamplingParams(do_sample, temperature, top_k, top_p, seed).with_seed() if do_sample \
             else SamplingParams(do_sample, temperature, top_k, top_p, seed)
         with self._lock:
-            if do_sample != self._sampling:  # the other body: capture it (the next _load does)
-                self._loop.close()
-                self._nxt = None
-                self._sampling = do_sample
+            self._use_body(do_sample)  # the other body: the _load below captures it
             if do_sample:
                 self._key.copy_(seed_key(params.seed or 0, "cpu"))
                 self._temperature.fill_(float(temperature))
@@ -275,7 +292,7 @@ class DeviceDecodeLoop:
         return torch.cat(parts, dim=1)
 
     def _load(self, tokens: torch.Tensor, position: int, unfinished: torch.Tensor | None) -> None:
-        tok, pos, _, control, alive, _ = self._loop.state
+        tok, pos, _, _, alive, _ = self._loop.state
         _check_vector("tokens", tokens, tok, integer=True)
         if unfinished is not None:
             _check_vector("unfinished", unfinished, alive, integer=False)
@@ -283,10 +300,7 @@ class DeviceDecodeLoop:
             tok.copy_(tokens.reshape(self.batch_size))
             pos.fill_(position)
             alive.copy_(True if unfinished is None else unfinished)
-            # the output column back to 0: a capture after an earlier generation (a switch between greedy
-            # and sampling, a close()) warms up on this state, and the body writes column control[_COL]
-            control[_COL] = 0
-            control[_LIMIT] = self.chunk
+        self._restart_column()  # a capture below warms up on this state
         if self._loop.strategy == "pending":
             # after the load: the warm-up runs the step at this generation's own position (a KV cache
             # written there is overwritten by the first real step) and puts the loaded state back

@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from .._torch_compat import maybe_mark_dynamic, pytree
 from ..bucketing.pool import ShapeBucketPool
 from ..compile.backend import backend_stats
+from ..compile.subgraph import SubgraphState, live_subgraphs
 from ..errors import ConfigError
 from ..graph.buckets import default_buckets, validate_buckets
 from ..graph.capture import frozen_gc
@@ -120,7 +121,14 @@ def _warm_compiled(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
             if i == 0 and b > 1:
                 for t in _batched(call_args, call_kwargs, b, batch_dim, static):
                     maybe_mark_dynamic(t, batch_dim)
+            lazy = _lazy_frames()
             fn(*call_args, **call_kwargs)
+            # a frame dynamo specialised for this size (size 1 always) runs its traced graph eagerly until
+            # its static_compile_after-th call: call again until it is compiled and captured
+            for _ in range(_LAZY_RETRIES if torch.cuda.is_available() else 0):  # no GPU: nothing to capture
+                if _lazy_frames() <= lazy:
+                    break
+                fn(*call_args, **call_kwargs)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
@@ -131,6 +139,14 @@ def _warm_compiled(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
                           pool_bytes=int(after["pool_bytes"]))
     _announce(report, progress)
     return report
+
+
+_LAZY_RETRIES = 4  # above BackendOptions' default static_compile_after (2): a frame compiles by then
+
+
+def _lazy_frames() -> int:
+    """Subgraphs of the backend that still run their traced graph uncompiled (waiting for more calls)."""
+    return sum(s.state is SubgraphState.LAZY for s in live_subgraphs())
 
 
 def _announce(report: WarmupReport, progress: bool) -> None:
