@@ -116,7 +116,7 @@ def _size(chart: Chart) -> tuple[float, float]:
     if any(isinstance(p, LinePanel) for p in chart.panels):
         return WIDTH_IN, 4.5
     most = max(len(p.bars) for p in chart.panels if isinstance(p, BarPanel))
-    return WIDTH_IN, max(2.8, 1.7 + 0.45 * most)
+    return WIDTH_IN, max(2.8, min(6.0, 1.7 + 0.45 * most))  # at most 600 px tall: bars get thinner
 
 
 def draw(chart: Chart, env: dict[str, Any], path: Path) -> bool:
