@@ -83,7 +83,7 @@ def test_sampling_a_step_that_returns_token_ids_is_refused():
     assert loop.generate(FIRST, 0, max_new_tokens=2).tolist() == [[2, 3], [6, 7], [10, 11]]
 
 
-@pytest.mark.parametrize("kwargs", [{"temperature": 0.0}, {"top_k": 0}, {"top_p": 2.0}, {"seed": -3}])
+@pytest.mark.parametrize("kwargs", [{"temperature": 0.0}, {"top_k": -2}, {"top_p": 2.0}, {"seed": -3}])
 def test_bad_sampling_settings_are_config_errors(kwargs):
     loop = DeviceDecodeLoop(logits_step, batch_size=BATCH, chunk=4, device="cpu")
     with pytest.raises(ConfigError):
@@ -132,3 +132,21 @@ def test_capture_for_a_kind_of_generation_restarts_the_column_and_keeps_the_body
     assert loop._sampling and loop._loop.state[3].tolist()[:2] == [0, 1]
     with pytest.raises(TypeError, match="do_sample"):
         loop.capture(do_sample="yes")
+
+
+def test_a_refused_sampling_call_changes_nothing_and_a_capture_supersedes_iterators():
+    ids_step = DeviceDecodeLoop(lambda t, p: (t + 1) % VOCAB, batch_size=BATCH, chunk=4, device="cpu")
+    ids_step.generate(FIRST, 0, max_new_tokens=2)
+    strategy = ids_step.strategy
+    with pytest.raises(ValueError, match="logits"):
+        ids_step.generate(FIRST, 0, max_new_tokens=2, do_sample=True, seed=1)
+    with pytest.raises(ValueError, match="logits"):
+        ids_step.capture(do_sample=True)
+    assert ids_step.strategy == strategy and not ids_step._sampling  # known to return ids: refused up front
+    loop = DeviceDecodeLoop(logits_step, batch_size=BATCH, chunk=2, device="cpu")
+    it = loop.chunks(FIRST, 0, max_new_tokens=8)
+    next(it)
+    loop.capture(do_sample=True)
+    with pytest.raises(RuntimeError, match="superseded"):
+        next(it)
+    assert loop.captured_for(True) and not loop.captured_for(False)

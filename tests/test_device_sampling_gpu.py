@@ -86,3 +86,21 @@ def test_static_cache_decoder_samples_alike_on_every_path():
         for chunk in (1, 16):
             dec = StaticCacheDecoder(model, max_cache_len=64, device_loop=chunk, strategy=strategy)
             assert torch.equal(dec.generate(ids, max_new_tokens=24, **settings), want), (strategy, chunk)
+
+
+@pytest.mark.parametrize("strategy", ["native", "host"])
+def test_switching_between_greedy_and_sampling_on_one_decoder_after_a_full_cache(strategy):
+    """Greedy to the cache's end, then sampled, then greedy again on one decoder: each switch recaptures the
+    loop's body, whose warm-ups write the cache; the tokens stay those of the eager decoder."""
+    transformers = pytest.importorskip("transformers")
+    from _tiny_llama import prompt, tiny_llama
+    from gfxgraph.hf import StaticCacheDecoder
+
+    model = tiny_llama(transformers)
+    ids = prompt(2, 6)
+    eager = StaticCacheDecoder(model, max_cache_len=32, graphs=False)
+    dec = StaticCacheDecoder(model, max_cache_len=32, device_loop=8, strategy=strategy)
+    runs = [dict(max_new_tokens=26), dict(max_new_tokens=26, do_sample=True, top_p=0.9, seed=5),
+            dict(max_new_tokens=26)]
+    for kw in runs:
+        assert torch.equal(dec.generate(ids, eos_token_id=None, **kw), eager.generate(ids, eos_token_id=None, **kw)), kw

@@ -101,7 +101,7 @@ def test_greedy_ignores_the_rest():
 
 
 @pytest.mark.parametrize("kwargs", [{"temperature": 0}, {"temperature": math.inf}, {"temperature": True},
-                                    {"top_k": 0}, {"top_k": 2.5}, {"top_p": 0}, {"top_p": 1.5},
+                                    {"top_k": -1}, {"top_k": 2.5}, {"top_p": 0}, {"top_p": 1.5},
                                     {"seed": -1}, {"seed": 2**64}, {"do_sample": 1}])
 def test_bad_parameters_are_refused_naming_what_was_expected(kwargs):
     with pytest.raises(ConfigError, match="expected"):
@@ -114,3 +114,7 @@ def test_sampling_needs_a_seed_and_with_seed_draws_one():
         sample_tokens(torch.randn(1, 4), params, torch.zeros(1), torch.zeros(1))
     seeded = params.with_seed()
     assert seeded.seed is not None and seeded.with_seed() is seeded
+
+
+def test_top_k_zero_is_off_as_in_transformers():
+    assert SamplingParams(do_sample=True, top_k=0).top_k is None

@@ -44,7 +44,8 @@ from hipgraph_bridge.checks import check_token_ids
 from hipgraph_bridge.errors import ConfigError
 from hipgraph_bridge.generation import DeviceDecodeLoop
 from hipgraph_bridge.generation.device_loop import EosIds
-from hipgraph_bridge.generation.sampling import SamplingParams, sample_tokens
+from hipgraph_bridge.generation.sampling import (SamplingParams, draw, filter_scores, filter_tensors, seed_key,
+                                                 uniform)
 
 __all__ = ["compile_config", "StaticCacheDecoder"]
 
@@ -207,6 +208,7 @@ class StaticCacheDecoder:
         loop = DeviceDecodeLoop(step, batch_size=batch, chunk=self.device_loop, device=self.device,
                                 strategy=self.strategy)
         t0 = time.perf_counter()
+        cache.reset()  # the warm-ups write from position 0 (after the one-token prefill they could pass a short cache)
         loop.capture()  # runs the step: generate() resets the cache
         return _Slot(cache, step, None, None, time.perf_counter() - t0, loop)
 
@@ -273,15 +275,24 @@ class StaticCacheDecoder:
     def _decode(self, slot: _Slot, input_ids: torch.Tensor, new: int, eos_ids: tuple[int, ...],
                 pad: int | None, params: SamplingParams) -> torch.Tensor:
         b, n = input_ids.shape
-        if slot.loop is not None:  # the loop's body for this kind of generation, captured before the reset
+        if slot.loop is not None and not slot.loop.captured_for(params.do_sample):
+            # the loop's body for this kind of generation: its warm-ups write the cache, so on an empty one
+            # (a full earlier generation would put them past its end), reset again below
+            slot.cache.reset()
             slot.loop.capture(do_sample=params.do_sample)
         slot.cache.reset()  # whatever capture, warm-up or an earlier generation wrote
         logits = self.model(input_ids=input_ids, cache_position=torch.arange(n, device=input_ids.device),
                             past_key_values=slot.cache, use_cache=True).logits
         rows = torch.arange(b, device=input_ids.device)
+        if params.do_sample:  # the settings on the device once: no host-to-device copy per token
+            settings = filter_tensors(params.temperature, params.top_k, params.top_p, logits.shape[-1], rows.device)
+            key = seed_key(params.seed or 0, rows.device)
 
         def choose(scores: torch.Tensor, pos: int) -> torch.Tensor:  # the token after position pos
-            return sample_tokens(scores, params, rows, torch.full((b,), pos, device=rows.device))
+            if not params.do_sample:
+                return scores.argmax(dim=-1)
+            u = uniform(key, rows, torch.full((b,), pos, dtype=torch.long, device=rows.device))
+            return draw(filter_scores(scores, *settings), u)
 
         tok = choose(logits[:, -1, :], n - 1)
         unfinished = torch.ones(b, dtype=torch.bool, device=input_ids.device)

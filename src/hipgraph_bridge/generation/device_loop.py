@@ -70,6 +70,8 @@ EosIds = int | Sequence[int] | torch.Tensor | None
 
 __all__ = ["DeviceDecodeLoop"]
 
+_IDS_ONLY = ("do_sample=True: expected a step that returns (batch_size, vocab) logits; this step returns token "
+             "ids (greedy only)")
 _COL, _LIMIT, _ALIVE = 0, 1, 2  # the control tensor: steps run this launch, steps allowed, any sequence going
 _STATE = ("tokens", "position", "out", "control", "unfinished", "go")
 
@@ -158,8 +160,7 @@ class DeviceDecodeLoop:
         else:
             self.returns_logits = False
             if self._sampling:
-                raise ValueError("do_sample=True: expected a step that returns (batch_size, vocab) logits; this "
-                                 "step returns token ids (greedy only)")
+                raise ValueError(_IDS_ONLY)
         if self._fused and self._loop.strategy == "native":  # the bookkeeping is the WHILE step's kernel
             self._nxt = nxt.reshape(self.batch_size).long().contiguous()
             return
@@ -194,6 +195,10 @@ class DeviceDecodeLoop:
         if not isinstance(do_sample, bool):
             raise TypeError(f"do_sample: expected a bool, got {do_sample!r}")
         with self._lock:
+            if do_sample and self.returns_logits is False:
+                raise ValueError(_IDS_ONLY)
+            if do_sample != self._sampling:
+                self._generation += 1  # a live iterator must not go on with the other body
             self._use_body(do_sample)
             self._restart_column()
             self._loop.capture()  # idempotent: nothing when this body is captured already
@@ -205,6 +210,11 @@ class DeviceDecodeLoop:
         with torch.no_grad():
             control[_COL] = 0
             control[_LIMIT] = self.chunk
+
+    def captured_for(self, do_sample: bool) -> bool:
+        """Whether the loop's graph is captured (or runs eagerly) with the body for this kind of generation:
+        a generation of this kind then runs no warm-up of the step."""
+        return do_sample == self._sampling and self._loop.strategy != "pending"
 
     def _use_body(self, do_sample: bool) -> None:
         """Make the loop's body the greedy or the sampling one (dropping a capture of the other)."""
@@ -252,18 +262,19 @@ class DeviceDecodeLoop:
         params = SamplingParams(do_sample, temperature, top_k, top_p, seed).with_seed() if do_sample \
             else SamplingParams(do_sample, temperature, top_k, top_p, seed)
         with self._lock:
+            if do_sample and self.returns_logits is False:  # known from an earlier capture: refuse before any change
+                raise ValueError(_IDS_ONLY)
+            self._generation += 1  # from here the state changes: an earlier iterator is superseded
             self._use_body(do_sample)  # the other body: the _load below captures it
-            if do_sample:
-                self._key.copy_(seed_key(params.seed or 0, "cpu"))
-                self._temperature.fill_(float(temperature))
-                self._top_k.fill_(2**62 if top_k is None else top_k)
-                self._top_p_cut.fill_(-1.0 if top_p is None or top_p >= 1.0 else 1.0 - top_p)
             self._load(tokens, position, unfinished)
             if do_sample and self.returns_logits is False:
-                raise ValueError("do_sample=True: expected a step that returns (batch_size, vocab) logits; this "
-                                 "step returns token ids (greedy only)")
+                raise ValueError(_IDS_ONLY)
+            if do_sample:  # after the checks: a refused call leaves the settings as they were
+                self._key.copy_(seed_key(params.seed or 0, "cpu"))
+                self._temperature.fill_(params.temperature)
+                self._top_k.fill_(2**62 if params.top_k is None else params.top_k)
+                self._top_p_cut.fill_(-1.0 if params.top_p is None or params.top_p >= 1.0 else 1.0 - params.top_p)
             self._eos_pad.copy_(torch.tensor([*eos, *[-1] * (MAX_EOS_IDS - len(eos)), pad]))
-            self._generation += 1
             return self._iterate(self._generation, max_new_tokens)
 
     def _iterate(self, ticket: int, max_new_tokens: int) -> Iterator[torch.Tensor]:

@@ -59,8 +59,10 @@ class SamplingParams:
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
             raise ConfigError(f"temperature: expected a finite number > 0, got {t!r}")
         k = self.top_k
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ConfigError(f"top_k: expected None or an int >= 1, got {k!r}")
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+            raise ConfigError(f"top_k: expected None or an int >= 0 (0: off, as in transformers), got {k!r}")
+        if k == 0:
+            object.__setattr__(self, "top_k", None)
         p = self.top_p
         if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1):
             raise ConfigError(f"top_p: expected None or a number in (0, 1], got {p!r}")

@@ -19,6 +19,7 @@ a warm start the FX graph misses stay at 0.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +49,14 @@ def save(path: str | os.PathLike[str]) -> dict[str, int]:
                            "there is nothing to save; call it after the warm-up, in the same process")
     blob, info = got
     target = Path(path)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_bytes(blob)
-    os.replace(tmp, target)
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent or ".")
+    try:  # a unique temporary file, then a rename: concurrent saves never mix, a failed one leaves nothing
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     counts = _counts(info)
     logger.info("gfxgraph: saved compile cache to %s (%d bytes; %s)", target, len(blob), counts)
     return counts
