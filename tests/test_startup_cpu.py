@@ -4,10 +4,6 @@ cache's round trip through PyTorch's portable artifacts, in fresh processes with
 from __future__ import annotations
 
 import gc
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -15,6 +11,7 @@ import torch
 
 import gfxgraph
 from hipgraph_bridge import _torch_compat
+from _cache_child import run_child
 from hipgraph_bridge.startup import WarmupReport, cache, resized, warmup
 
 
@@ -123,11 +120,7 @@ _CHILD = textwrap.dedent("""
 
 
 def _child(mode: str, path: str, cache_dir: str) -> dict:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
-    done = subprocess.run([sys.executable, "-c", _CHILD, mode, path], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_child(_CHILD, mode, path, cache_dir, timeout=300)
 
 
 @pytest.mark.skipif(not cache.supported(), reason="this torch has no save_cache_artifacts (added in 2.7)")

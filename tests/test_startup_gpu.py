@@ -3,16 +3,13 @@ the first one's compile cache compiles nothing in inductor (its cache counters) 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
 import gfxgraph
+from _cache_child import run_child
 from hipgraph_bridge.startup import cache
 
 pytestmark = pytest.mark.gpu
@@ -38,11 +35,7 @@ _CHILD = textwrap.dedent("""
 
 
 def _child(mode: str, path: str, cache_dir: str) -> dict:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
-    done = subprocess.run([sys.executable, "-c", _CHILD, mode, path], env=env, capture_output=True, text=True,
-                          timeout=400)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_child(_CHILD, mode, path, cache_dir, timeout=400)
 
 
 @pytest.mark.skipif(not cache.supported(), reason="this torch has no save_cache_artifacts (added in 2.7)")
