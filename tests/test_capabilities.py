@@ -262,10 +262,21 @@ class TestTable:
             assert set(capabilities_for(backend, None).toggle_node_types) == {NODE_KERNEL, NODE_MEMCPY,
                                                                               NODE_MEMSET}
 
-    def test_no_device_side_launch_anywhere(self):
+    def test_device_side_launch_on_cuda_12_only(self):
         hip = capabilities_for("hip", Version(7, 14))
         assert not hip.device_launch and "ROCm/hip#3160" in hip.why("device_launch")
-        assert not capabilities_for("cuda", Version(13, 0)).device_launch
+        assert hip.rule("device_graph_tail_launches").value == 0
+        cuda = capabilities_for("cuda", Version(13, 0))
+        assert cuda.device_launch and "libcudadevrt" in cuda.why("device_launch")
+        assert not capabilities_for("cuda", Version(11, 8)).device_launch
+        # the limits CUDA documents, each with its source
+        assert cuda.rule("device_graph_tail_launches").value == 255
+        assert cuda.rule("device_graph_fire_and_forget").value == 120
+        assert cuda.rule("device_graph_relaunch").value is False
+        assert set(cuda.rule("device_graph_node_types").value) == {0, 1, 2, 4}
+        for name in ("device_launch", "device_graph_node_types", "device_graph_relaunch",
+                     "device_graph_tail_launches", "device_graph_fire_and_forget"):
+            assert cuda.rule(name).source.startswith("https://docs.nvidia.com/cuda/")
 
     def test_bad_arguments(self):
         with pytest.raises(ValueError, match="backend: expected 'cuda' or 'hip'"):

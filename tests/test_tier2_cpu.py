@@ -443,9 +443,9 @@ class TestExecUpdate:
 
 
 class TestLaunchPipelineArguments:
-    def test_device_launch_is_not_implemented_with_reason(self, rt):
-        with pytest.raises(NotImplementedError, match="device runtime"):
-            LaunchPipeline(Graph.create(runtime=rt), runtime=rt, device_launch=True)
+    def test_device_launch_must_be_a_bool(self, rt):
+        with pytest.raises(TypeError, match="device_launch: expected a bool, got str"):
+            LaunchPipeline(Graph.create(runtime=rt), runtime=rt, device_launch="yes")
 
     def test_instances_must_be_positive(self, rt):
         with pytest.raises(ValueError, match="instances: expected an int >= 1, got 0"):

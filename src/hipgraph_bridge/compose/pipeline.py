@@ -16,9 +16,14 @@
   Alternating launches between two streams would buy no overlap here (the
   buffers are shared) and cost two event operations per launch.
 
-Device-side launch (a graph launched by a kernel, CUDA 12+) is not built:
-``LaunchPipeline(..., device_launch=True)`` raises ``NotImplementedError``
-with the reason (:data:`~hipgraph_bridge.runtime.DEVICE_LAUNCH_REASON`).
+* **Device launch** (``device_launch=True``, CUDA 12+): the instances are
+  instantiated for device launch and uploaded, and :meth:`LaunchPipeline.launch`
+  launches a one-kernel host graph whose kernel tail-launches the instance
+  (:mod:`.device_launch`). The host pays one launch of a one-node graph
+  whatever the instance holds; the instance runs before anything queued
+  later on the stream. Where device launch is unavailable (HIP: ROCm/hip#3160;
+  no ``libcudadevrt.a``; CUDA < 12) the host path runs instead and
+  ``device_launch_reason`` says why (logged once at WARNING).
 
 What it will not do: run graphs that hold memory-allocation nodes (the
 ``cudaMallocAsync`` allocator; the runtime allows one executable per such
@@ -27,14 +32,20 @@ graph), or advance PyTorch's RNG offsets between launches.
 
 from __future__ import annotations
 
+import ctypes
+import logging
 from typing import Any
 
 import torch
 
 from ..checks import check_int
+from ..errors import GraphRuntimeError
+from ..log import log_once
 from ..platform import require_gpu
-from ..runtime import DEVICE_LAUNCH_REASON, Event, Graph, GraphExec, Runtime, as_graph, resolve_runtime, \
-    stream_handle
+from ..runtime import Event, Graph, GraphExec, Runtime, as_graph, resolve_runtime, stream_handle
+from ..runtime.device_launch import DEVICE_LAUNCH_FLAG
+from .device_launch import DeviceTable, device_launch_unavailable_reason, instantiate_for_device, kernel_graph, \
+    status_message
 from .exec_update import UpdateResult, UpdateStrategy, apply_update, check_update_strategy
 
 __all__ = ["LaunchPipeline"]
@@ -53,23 +64,32 @@ class LaunchPipeline:
         strategy: ``"auto"`` updates instances in place when the runtime
             allows; ``"reinstantiate"`` forces new instantiations.
         upload: upload instances ahead on the staging stream.
-        device_launch: not supported; True raises ``NotImplementedError``.
+        device_launch: launch each instance from the device (see the module
+            docstring); the host path where that is unavailable, with the reason.
 
     Raises:
-        NotImplementedError: ``device_launch=True``.
         ValueError/TypeError: bad arguments.
+        GraphRuntimeError: ``device_launch=True`` and the runtime refused to instantiate
+            the graph for device launch (the runtime's message, then what a device graph may hold).
     """
 
     def __init__(self, graph: Any, *, stream: Any = None, instances: int = 2,
                  runtime: Runtime | str | None = None, strategy: UpdateStrategy = "auto",
                  upload: bool = True, device_launch: bool = False) -> None:
-        if device_launch:
-            raise NotImplementedError(DEVICE_LAUNCH_REASON)
         check_int("instances", instances, minimum=1)
+        if not isinstance(device_launch, bool):
+            raise TypeError(f"device_launch: expected a bool, got {type(device_launch).__name__}")
         require_gpu("LaunchPipeline")
         self._rt = resolve_runtime(runtime)
         self._strategy = check_update_strategy(strategy)
-        self._upload = bool(upload) and self._rt.capabilities.upload
+        self.device_launch_reason = device_launch_unavailable_reason(self._rt) if device_launch else None
+        if self.device_launch_reason is not None:
+            log_once(f"pipeline-device-launch:{self.device_launch_reason}", logging.WARNING,
+                     "gfxgraph: LaunchPipeline(device_launch=True): %s", self.device_launch_reason)
+        self.device_launch = device_launch and self.device_launch_reason is None
+        self._flags = DEVICE_LAUNCH_FLAG if self.device_launch else 0
+        # a device launch needs the executable uploaded; the host path uploads ahead only to save time
+        self._upload = self.device_launch or (bool(upload) and self._rt.capabilities.upload)
         self._stream = stream_handle(stream)
         self._staging_stream = torch.cuda.Stream()  # kept alive: its handle is used below
         self._staging = int(self._staging_stream.cuda_stream)
@@ -80,11 +100,27 @@ class LaunchPipeline:
         self._upload_events: list[Event] = []
         self._upload_wait: list[Event | None] = [None] * instances
         self._pending: list[Graph | None] = [None] * instances
+        self._table: DeviceTable | None = None
+        self._launchers: list[GraphExec] = []
         try:
+            if self.device_launch:
+                self._table = DeviceTable(instances, device=torch.cuda.current_device())
             for i in range(instances):
-                self._execs.append(g.instantiate(track_completion=True))
+                if self.device_launch:
+                    self._execs.append(instantiate_for_device(g, stream=self._staging))
+                else:
+                    self._execs.append(g.instantiate(track_completion=True))
                 self._upload_events.append(Event.create(runtime=self._rt))
                 self._upload_ahead(i)
+            if self._table is not None:
+                table = self._table
+                for i in range(instances):
+                    table.set(i, self._execs[i], stream=self._stream)
+                    self._launchers.append(kernel_graph(
+                        table.kernels.launch_one,
+                        [(ctypes.c_void_p, table.execs.data_ptr()), (ctypes.c_int, i),
+                         (ctypes.c_void_p, table.status.data_ptr())],
+                        device=table.device, runtime=self._rt))
         except BaseException:
             self.close()
             raise
@@ -135,7 +171,11 @@ class LaunchPipeline:
         if wait is not None:
             self._rt.stream_wait_event(s, wait.handle)
             self._upload_wait[i] = None
-        execs[i].launch(s)
+        if self._launchers:
+            self._launchers[i].launch(s)  # its kernel tail-launches execs[i]
+            execs[i].mark_launched(s)
+        else:
+            execs[i].launch(s)
         self._next = i + 1 if i + 1 < self._n else 0
         self.launches += 1
 
@@ -143,6 +183,20 @@ class LaunchPipeline:
         """Block until every instance's last launch finished."""
         for exec_ in self._execs:
             exec_.wait_idle()
+
+    def check(self) -> None:
+        """Raise if a device launch failed since the last check (reads the status word: a device sync).
+
+        Raises:
+            GraphRuntimeError: the launcher kernel's ``cudaGraphLaunch`` returned an error.
+        """
+        table = self._table
+        if table is None:
+            return
+        code = table.read_status()
+        if code:
+            table.clear_status()
+            raise GraphRuntimeError("cudaGraphLaunch (device)", "DEVICE_LAUNCH_FAILED", code, status_message(code))
 
     # ------------------------------------------------------------------ update
     def update(self, graph: Any) -> UpdateResult:
@@ -168,8 +222,10 @@ class LaunchPipeline:
         exec_ = self._execs[i]
         if not exec_.is_idle():
             self.stalls += 1
-        self._execs[i], result = apply_update(exec_, graph, strategy=self._strategy)
+        self._execs[i], result = apply_update(exec_, graph, strategy=self._strategy, flags=self._flags)
         self._pending[i] = None
+        if self._table is not None and self._execs[i] is not exec_:
+            self._table.set(i, self._execs[i], stream=self._stream)  # re-instantiated: a new handle
         self._upload_ahead(i)
         self.last_result = result
         return result
@@ -194,6 +250,9 @@ class LaunchPipeline:
             exec_.close()
         for ev in self._upload_events:
             ev.close()
+        for launcher in getattr(self, "_launchers", ()):
+            launcher.close()
+        self._launchers = []
         self._execs = []
         self._upload_events = []
         self._pending = [None] * self._n
@@ -207,4 +266,4 @@ class LaunchPipeline:
 
     def __repr__(self) -> str:
         return (f"LaunchPipeline(instances={self._n}, launches={getattr(self, 'launches', 0)}, "
-                f"runtime={self._rt.kind})")
+                f"runtime={self._rt.kind}, device_launch={getattr(self, 'device_launch', False)})")

@@ -34,17 +34,15 @@ thread; during a capture it becomes a kernel node of the graph.
 
 from __future__ import annotations
 
-import ctypes
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..errors import GraphRuntimeError
 from ..log import logger
-from ..runtime import INSTALL_HINT
+from ..runtime.jit import bindings, compile_source, driver_check, ensure_context, launch, load_first, \
+    nvrtc_unavailable_reason, nvrtc_version
 
 __all__ = ["SetterKernels", "setter_kernels", "nvrtc_version", "nvrtc_unavailable_reason", "launch",
            "dtype_kind", "COMPARE_OPS", "KERNEL_SOURCE", "compile_source", "DECODE_STEP_MAX_BATCH"]
@@ -186,139 +184,6 @@ _images: dict[int, list[tuple[str, bytes]]] = {}  # arch -> [(label, image)], co
 _loaded: dict[int, SetterKernels] = {}  # device -> kernels
 
 
-def _modules() -> tuple[Any, Any]:
-    try:
-        from cuda.bindings import driver, nvrtc
-    except ImportError as exc:
-        raise ImportError(f"NVRTC setter kernels need cuda-bindings: {INSTALL_HINT} ({exc})") from exc
-    return driver, nvrtc
-
-
-def nvrtc_version() -> tuple[int, int]:
-    """The NVRTC library's (major, minor). Loads libnvrtc; compiles nothing.
-
-    Raises:
-        ImportError: cuda-bindings is missing.
-        GraphRuntimeError: libnvrtc cannot be loaded (the message says what to install).
-    """
-    _, nvrtc = _modules()
-    try:
-        err, major, minor = nvrtc.nvrtcVersion()
-    except Exception as exc:  # cuda.pathfinder raises its own error when libnvrtc is absent
-        raise GraphRuntimeError(
-            "nvrtcVersion", "NVRTC_NOT_FOUND", -1,
-            f"libnvrtc could not be loaded ({exc}); CUDA builds of PyTorch install it as the "
-            "nvidia-cuda-nvrtc wheel: pip install nvidia-cuda-nvrtc (the same CUDA major as the driver)",
-        ) from exc
-    _nvrtc_check(nvrtc, "nvrtcVersion", err)
-    return int(major), int(minor)
-
-
-def nvrtc_unavailable_reason() -> str | None:
-    """Why the setter kernels cannot be compiled here (None when NVRTC loads)."""
-    try:
-        nvrtc_version()
-    except (ImportError, GraphRuntimeError) as exc:
-        return str(exc)
-    return None
-
-
-def _nvrtc_check(nvrtc: Any, call: str, err: Any, log: str = "") -> None:
-    code = int(getattr(err, "value", err))
-    if code == 0:
-        return
-    try:
-        res = nvrtc.nvrtcGetErrorString(err)
-        text = res[-1] if isinstance(res, tuple) else res  # (result, bytes) in cuda-bindings
-        text = text.decode() if isinstance(text, bytes) else str(text)
-    except Exception:
-        text = "unknown NVRTC error"
-    name = getattr(err, "name", f"nvrtcResult({code})")
-    raise GraphRuntimeError(call, name, code, text + (f"\n{log}" if log else ""))
-
-
-def _driver_check(driver: Any, call: str, err: Any) -> None:
-    code = int(getattr(err, "value", err))
-    if code == 0:
-        return
-    try:
-        _, name = driver.cuGetErrorName(err)
-        _, text = driver.cuGetErrorString(err)
-        name = name.decode() if isinstance(name, bytes) else str(name)
-        text = text.decode() if isinstance(text, bytes) else str(text)
-    except Exception:
-        name, text = f"CUresult({code})", "unrecognized error code"
-    raise GraphRuntimeError(call, name, code, text)
-
-
-def compile_source(source: str, arch: int) -> list[tuple[str, bytes]]:
-    """Compile ``source`` for compute capability ``arch`` (e.g. 90); return loadable images.
-
-    With NVRTC supporting ``sm_<arch>``: the PTX (JIT-compiled by the driver,
-    as the feasibility run loaded it) first, then the CUBIN (needs no JIT: the
-    fallback when the driver is older than NVRTC's PTX). Otherwise: the PTX
-    of the newest virtual architecture NVRTC knows below ``arch``.
-
-    Raises:
-        GraphRuntimeError: the compilation failed (the NVRTC log is in the message).
-    """
-    _, nvrtc = _modules()
-    err, supported = nvrtc.nvrtcGetSupportedArchs()
-    _nvrtc_check(nvrtc, "nvrtcGetSupportedArchs", err)
-    supported = sorted(int(a) for a in supported)
-    exact = arch in supported
-    target = arch if exact else max([a for a in supported if a <= arch] or [supported[0]])
-    opt = f"--gpu-architecture={'sm' if exact else 'compute'}_{target}"
-    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), b"gfxgraph_setters.cu", 0, [], [])
-    _nvrtc_check(nvrtc, "nvrtcCreateProgram", err)
-    try:
-        (err,) = nvrtc.nvrtcCompileProgram(prog, 1, [opt.encode()])
-        if int(getattr(err, "value", err)) != 0:
-            _nvrtc_check(nvrtc, "nvrtcCompileProgram", err, _program_log(nvrtc, prog))
-        images = [(f"ptx compute_{target}", _read(nvrtc, prog, "PTX"))]
-        if exact:
-            images.append((f"cubin sm_{target}", _read(nvrtc, prog, "CUBIN")))
-        return images
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
-
-
-def _program_log(nvrtc: Any, prog: Any) -> str:
-    try:
-        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        buf = b" " * int(size)
-        nvrtc.nvrtcGetProgramLog(prog, buf)
-        return buf.rstrip(b"\x00 ").decode(errors="replace")
-    except Exception:
-        return ""
-
-
-def _read(nvrtc: Any, prog: Any, what: str) -> bytes:
-    err, size = getattr(nvrtc, f"nvrtcGet{what}Size")(prog)
-    _nvrtc_check(nvrtc, f"nvrtcGet{what}Size", err)
-    buf = b" " * int(size)  # PTX: size counts the terminating NUL, which loading needs
-    (err,) = getattr(nvrtc, f"nvrtcGet{what}")(prog, buf)
-    _nvrtc_check(nvrtc, f"nvrtcGet{what}", err)
-    return buf
-
-
-def ensure_context(device: int) -> None:
-    """Make ``device``'s primary context (the one PyTorch uses) current on this thread."""
-    driver, _ = _modules()
-    err, ctx = driver.cuCtxGetCurrent()
-    _driver_check(driver, "cuCtxGetCurrent", err)
-    if int(ctx) != 0:
-        err, current = driver.cuCtxGetDevice()
-        if int(getattr(err, "value", err)) == 0 and int(current) == device:
-            return
-    err, dev = driver.cuDeviceGet(device)
-    _driver_check(driver, "cuDeviceGet", err)
-    err, primary = driver.cuDevicePrimaryCtxRetain(dev)  # retained for the process: kernels live there
-    _driver_check(driver, "cuDevicePrimaryCtxRetain", err)
-    (err,) = driver.cuCtxSetCurrent(primary)
-    _driver_check(driver, "cuCtxSetCurrent", err)
-
-
 def setter_kernels(device: int | None = None) -> SetterKernels:
     """The setter kernels of ``device`` (default: current), compiled and loaded on first use.
 
@@ -337,21 +202,21 @@ def setter_kernels(device: int | None = None) -> SetterKernels:
         found = _loaded.get(dev)
         if found is not None:
             return found
-        driver, _ = _modules()
+        driver, _ = bindings()
         torch.empty(1, device=f"cuda:{dev}")  # PyTorch creates the primary context first
         major, minor = torch.cuda.get_device_capability(dev)
         arch = 10 * major + minor
         images = _images.get(arch)
         if images is None:
-            images = compile_source(KERNEL_SOURCE, arch)
+            images = compile_source(KERNEL_SOURCE, arch, name="gfxgraph_setters.cu")
             _images[arch] = images
         with torch.cuda.device(dev):
             ensure_context(dev)
-            module, label = _load_first(driver, images)
+            module, label = load_first(driver, images)
         fns = []
         for name in _KERNELS:
             err, fn = driver.cuModuleGetFunction(module, name.encode())
-            _driver_check(driver, "cuModuleGetFunction", err)
+            driver_check(driver, "cuModuleGetFunction", err)
             fns.append(fn)
         kernels = SetterKernels(dev, label, *fns)
         _loaded[dev] = kernels
@@ -359,33 +224,3 @@ def setter_kernels(device: int | None = None) -> SetterKernels:
         return kernels
 
 
-def _load_first(driver: Any, images: Sequence[tuple[str, bytes]]) -> tuple[Any, str]:
-    errors: list[str] = []
-    for label, image in images:
-        err, module = driver.cuModuleLoadData(image)
-        try:
-            _driver_check(driver, "cuModuleLoadData", err)
-        except GraphRuntimeError as exc:
-            errors.append(f"{label}: {exc}")
-            continue
-        return module, label
-    raise GraphRuntimeError("cuModuleLoadData", "CUDA_ERROR_NO_LOADABLE_IMAGE", -1,
-                            "the driver loaded none of the compiled setter images (" + "; ".join(errors)
-                            + "); an NVRTC newer than the driver emits PTX the driver cannot JIT: "
-                            "install the NVRTC of the driver's CUDA version")
-
-
-def launch(fn: Any, args: Sequence[tuple[Any, Any]], stream: int, *, device: int, threads: int = 1) -> None:
-    """Launch ``fn`` as one block of ``threads`` threads on the raw ``stream``; ``args`` are (ctypes type,
-    value) pairs.
-
-    During a capture the launch becomes a kernel node; its arguments are
-    copied at launch, so they need not outlive this call.
-    """
-    driver, _ = _modules()
-    ensure_context(device)
-    values = [ctype(value) for ctype, value in args]
-    pointers = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-    (err,) = driver.cuLaunchKernel(fn, 1, 1, 1, threads, 1, 1, 0, driver.CUstream(int(stream)),
-                                   ctypes.addressof(pointers), 0)
-    _driver_check(driver, "cuLaunchKernel", err)

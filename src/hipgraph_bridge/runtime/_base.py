@@ -23,7 +23,7 @@ from ..errors import GraphRuntimeError
 
 __all__ = ["Runtime", "RuntimeCaps", "ExecUpdateOutcome", "CaptureInfo", "SUCCESS", "ERROR_NOT_READY",
            "ERROR_CAPTURE_INVALIDATED", "ERROR_EXEC_UPDATE_FAILURE", "DEVICE_LAUNCH_REASON",
-           "NODE_KERNEL", "NODE_MEMCPY", "NODE_MEMSET", "NODE_EMPTY", "COND_IF", "COND_WHILE",
+           "NODE_KERNEL", "NODE_MEMCPY", "NODE_MEMSET", "NODE_GRAPH", "NODE_EMPTY", "COND_IF", "COND_WHILE",
            "COND_SWITCH", "CAPTURE_MODE_THREAD_LOCAL", "HIP_NO_CONDITIONAL"]
 
 # Status codes with the same value in cudaError_t and hipError_t.
@@ -36,7 +36,7 @@ ERROR_EXEC_UPDATE_FAILURE = 910  # ...GraphExecUpdateFailure: update refused, no
 EVENT_DISABLE_TIMING = 0x2
 
 # Graph node types with the same value in cudaGraphNodeType and hipGraphNodeType.
-NODE_KERNEL, NODE_MEMCPY, NODE_MEMSET, NODE_EMPTY = 0, 1, 2, 5
+NODE_KERNEL, NODE_MEMCPY, NODE_MEMSET, NODE_GRAPH, NODE_EMPTY = 0, 1, 2, 4, 5
 # cudaGraphConditionalNodeType (CUDA only).
 COND_IF, COND_WHILE, COND_SWITCH = 0, 1, 2
 # cudaStreamCaptureModeThreadLocal == hipStreamCaptureModeThreadLocal.
@@ -54,11 +54,8 @@ HIP_NO_CONDITIONAL = (
 # HIP: device-side graph launch was requested in https://github.com/ROCm/hip/issues/3160 and AMD's
 # answer pointed to host-side hipGraphLaunch only.
 DEVICE_LAUNCH_REASON = (
-    "device-side graph launch is not built: it needs a kernel that calls cudaGraphLaunch "
-    "on the device, i.e. relocatable device code linked against the CUDA device runtime "
-    "(libcudadevrt), which gfxgraph neither ships nor JIT-links yet; HIP offers no device-side "
-    "graph launch (ROCm/hip#3160). The host pipeline (upload ahead + double-buffered instances) is "
-    "used on both"
+    "device-side graph launch needs CUDA 12.0 or newer (runtime and driver); HIP offers none "
+    "(ROCm/hip#3160): the host launch pipeline (upload ahead + double-buffered instances) is used"
 )
 
 
@@ -179,7 +176,8 @@ class Runtime:
             exec_update=self._has("GraphExecUpdate"),
             child_graph_update=self._has("GraphExecChildGraphNodeSetParams"),
             upload=self._has("GraphUpload"),
-            device_launch=False,
+            device_launch=self.name == "cuda" and min(version(self.runtime_version),
+                                                      version(self.driver_version)) >= 12000,
             device_launch_reason=DEVICE_LAUNCH_REASON,
         )
 

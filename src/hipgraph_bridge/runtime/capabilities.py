@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..platform import torch_build_version, torch_rocm_version
-from ._base import DEVICE_LAUNCH_REASON, NODE_KERNEL, NODE_MEMCPY, NODE_MEMSET, Runtime
+from ._base import DEVICE_LAUNCH_REASON, NODE_GRAPH, NODE_KERNEL, NODE_MEMCPY, NODE_MEMSET, Runtime
 from ._library import LIBRARY_STEMS, _loaded_libraries
 
 __all__ = ["Version", "Rule", "KnownIssue", "Capabilities", "CAPABILITIES", "TABLE", "ISSUES",
@@ -124,6 +124,8 @@ class KnownIssue:
 
 # Sources (each verified in the public tracker or documentation it names).
 _NV_CONDITIONAL = "https://developer.nvidia.com/blog/dynamic-control-flow-in-cuda-graphs-with-conditional-nodes/"
+_NV_DEVICE_LAUNCH = "https://docs.nvidia.com/cuda/cuda-c-programming-guide/index.html#device-graph-launch"
+_NV_DEVICE_GRAPH = "https://docs.nvidia.com/cuda/cuda-c-programming-guide/index.html#device-graph-requirements"
 _HIP_3905 = "https://github.com/ROCm/hip/issues/3905"
 _ROCM_6398 = "https://github.com/ROCm/legacy-rocm-build/issues/6398"
 _RS_10021 = "https://github.com/ROCm/rocm-systems/issues/10021"
@@ -155,6 +157,10 @@ CAPABILITIES: dict[str, str] = {
     "toggle_node_types": "node types GraphNodeSetEnabled can disable (supergraph)",
     "toggle_in_flight": "node enable/disable leaves launches in flight alone (else: wait for the last one)",
     "device_launch": "device-side graph launch (else: host launch pipeline)",
+    "device_graph_node_types": "node types a graph launched from the device may hold",
+    "device_graph_relaunch": "a device graph may be launched from the device while a launch of it runs",
+    "device_graph_tail_launches": "tail launches one graph may have pending",
+    "device_graph_fire_and_forget": "fire-and-forget launches per execution of one graph",
 }
 
 TABLE: tuple[Rule, ...] = (
@@ -202,10 +208,32 @@ TABLE: tuple[Rule, ...] = (
     Rule("toggle_in_flight", "hip", None, None, False,
          "hipGraphNodeSetEnabled's documentation does not say launches in flight are unaffected",
          _HIP_SET_ENABLED),
-    Rule("device_launch", "cuda", None, None, False, DEVICE_LAUNCH_REASON, ""),
+    Rule("device_launch", "cuda", (12, 0, 0), None, True,
+         "since CUDA 12.0: a graph instantiated with cudaGraphInstantiateFlagDeviceLaunch and uploaded is "
+         "launched by a kernel inside another graph (tail, fire-and-forget or sibling launch); gfxgraph links its "
+         "launcher kernels against libcudadevrt.a at run time (doctor says when it is absent)", _NV_DEVICE_LAUNCH),
+    Rule("device_launch", "cuda", None, None, False, DEVICE_LAUNCH_REASON, _NV_DEVICE_LAUNCH),
+    Rule("device_graph_node_types", "cuda", (12, 0, 0), None, (NODE_KERNEL, NODE_MEMCPY, NODE_MEMSET, NODE_GRAPH),
+         "kernels (no dynamic parallelism), copies between device memory or pinned device-mapped host memory, "
+         "memsets and child graphs, all on one device", _NV_DEVICE_GRAPH),
+    Rule("device_graph_node_types", "cuda", None, None, (), DEVICE_LAUNCH_REASON, _NV_DEVICE_LAUNCH),
+    Rule("device_graph_relaunch", "cuda", (12, 0, 0), None, False,
+         "launching a device graph from the device while a launch of it is running returns "
+         "cudaErrorInvalidValue; launching it from host and device at once is undefined", _NV_DEVICE_LAUNCH),
+    Rule("device_graph_relaunch", "cuda", None, None, False, DEVICE_LAUNCH_REASON, _NV_DEVICE_LAUNCH),
+    Rule("device_graph_tail_launches", "cuda", (12, 0, 0), None, 255,
+         "a graph may have up to 255 pending tail launches (they run in the order queued)", _NV_DEVICE_LAUNCH),
+    Rule("device_graph_tail_launches", "cuda", None, None, 0, DEVICE_LAUNCH_REASON, _NV_DEVICE_LAUNCH),
+    Rule("device_graph_fire_and_forget", "cuda", (12, 0, 0), None, 120,
+         "a graph may launch up to 120 fire-and-forget graphs during one execution (the count resets per "
+         "launch of the parent)", _NV_DEVICE_LAUNCH),
+    Rule("device_graph_fire_and_forget", "cuda", None, None, 0, DEVICE_LAUNCH_REASON, _NV_DEVICE_LAUNCH),
     Rule("device_launch", "hip", None, None, False,
          "no device-side graph launch in HIP (requested in ROCm/hip#3160; AMD pointed to host hipGraphLaunch)",
          _HIP_3160),
+    *(Rule(c, "hip", None, None, v, "no device-side graph launch in HIP (ROCm/hip#3160)", _HIP_3160)
+      for c, v in (("device_graph_node_types", ()), ("device_graph_relaunch", False),
+                   ("device_graph_tail_launches", 0), ("device_graph_fire_and_forget", 0))),
 )
 
 ISSUES: tuple[KnownIssue, ...] = (

@@ -6,13 +6,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..platform import probe
-from ._base import NODE_KERNEL, NODE_MEMCPY, NODE_MEMSET, Runtime
+from ._base import NODE_GRAPH, NODE_KERNEL, NODE_MEMCPY, NODE_MEMSET, Runtime
 from ._select import current_runtime
 from .capabilities import CAPABILITIES, Capabilities, capabilities_for, capabilities_of, current_capabilities
 
 __all__ = ["capability_rows", "issue_warnings", "capability_lines", "capability_report", "machine_capabilities"]
 
-_NODE_NAMES = {NODE_KERNEL: "kernel", NODE_MEMCPY: "memcpy", NODE_MEMSET: "memset"}
+_NODE_NAMES = {NODE_KERNEL: "kernel", NODE_MEMCPY: "memcpy", NODE_MEMSET: "memset", NODE_GRAPH: "child graph"}
 
 
 def _value_text(value: Any) -> str:

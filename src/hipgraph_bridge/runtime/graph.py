@@ -316,6 +316,14 @@ class GraphExec(_Owned):
             self._rt.event_record(done._handle, s)
             self._launched = True
 
+    def mark_launched(self, stream: Any = None) -> None:
+        """Note a launch made on the device (a kernel on ``stream`` tail-launched this executable):
+        :meth:`wait_idle` then waits for work queued on ``stream`` so far, which includes it."""
+        done = self._done
+        if done is not None:
+            self._rt.event_record(done._handle, stream if type(stream) is int else stream_handle(stream))
+            self._launched = True
+
     def upload(self, stream: Any = None) -> None:
         """Upload the executable to the device on ``stream`` without running it."""
         self._rt.exec_upload(self.handle, stream if type(stream) is int else stream_handle(stream))
