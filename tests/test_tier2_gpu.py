@@ -78,7 +78,7 @@ def test_runtime_binding_is_what_was_asked_for(rt):
     if PREFIX == "cuda":
         assert caps.runtime_version >= 12000 and caps.driver_version >= 12000
     assert caps.exec_update and caps.child_graph_update and caps.upload
-    assert caps.device_launch is False and "device runtime" in caps.device_launch_reason
+    assert caps.device_launch is (PREFIX == "cuda")
     if rt.kind == "ctypes":
         assert ("libcudart" if PREFIX == "cuda" else "libamdhip64") in rt.binding
 
@@ -369,11 +369,54 @@ def test_pipeline_on_its_own_stream(rt):
         assert torch.equal(y, torch.full_like(x, 2.0 * k))
 
 
-def test_pipeline_refuses_device_launch_with_reason(rt):
-    x = torch.zeros(16, device="cuda")
-    g, _ = _capture(lambda: x + 1)
-    with pytest.raises(NotImplementedError, match="cudadevrt"):
-        LaunchPipeline(g, runtime=rt, device_launch=True)
+def test_pipeline_device_launch_runs_each_instance_from_the_device(rt):
+    if PREFIX != "cuda" or rt.kind == "ctypes":
+        pytest.skip("device launch: CUDA through cuda-bindings (HIP: ROCm/hip#3160)")
+    x = torch.zeros(1 << 16, device="cuda")
+    g, y = _capture(lambda: x + 1)
+    pipe = LaunchPipeline(g, runtime=rt, device_launch=True)
+    try:
+        assert pipe.device_launch and pipe.device_launch_reason is None
+        for k in range(5):  # each launch on the pipeline's stream, read after a sync
+            with torch.cuda.stream(torch.cuda.ExternalStream(pipe.stream)):
+                x.fill_(float(k))
+            pipe.launch()
+            torch.cuda.synchronize()
+            assert torch.equal(y, torch.full_like(x, k + 1.0))
+        # far more launches than CUDA lets one graph queue (255 tail launches): the stream orders them
+        with torch.cuda.stream(torch.cuda.ExternalStream(pipe.stream)):
+            x.fill_(0.0)
+        for _ in range(1000):
+            pipe.launch()
+            with torch.cuda.stream(torch.cuda.ExternalStream(pipe.stream)):
+                x.copy_(y)  # the next launch reads what the previous one wrote
+        pipe.synchronize()
+        torch.cuda.synchronize()
+        assert torch.equal(x, torch.full_like(x, 1000.0))  # 1000 launches, each after the one before
+        pipe.check()  # no device-side launch error
+    finally:
+        pipe.close()
+
+
+def test_pipeline_device_launch_takes_updates(rt):
+    if PREFIX != "cuda" or rt.kind == "ctypes":
+        pytest.skip("device launch: CUDA through cuda-bindings")
+    x = torch.ones(64, device="cuda")
+    g1, y1 = _capture(lambda: x + 1)
+    pipe = LaunchPipeline(g1, runtime=rt, device_launch=True, strategy="reinstantiate")
+    try:
+        pipe.launch()
+        torch.cuda.synchronize()
+        assert torch.equal(y1, x + 1)
+        g2, y2 = _capture(lambda: x + 5)
+        pipe.update(g2)  # re-instantiated for device launch: the handle table is rewritten
+        for _ in range(3):
+            pipe.launch()
+        torch.cuda.synchronize()
+        assert torch.equal(y2, x + 5)
+        pipe.check()
+    finally:
+        pipe.close()
 
 
 # ------------------------------------------------------------------ exec update

@@ -37,8 +37,10 @@ from ..padding.layout import BATCHED, CallLayout, QuickPlan, classify
 from ..padding.rows import RowVerdict
 from ..padding.staging import StaticInputs
 from ..ranks.agreement import Round
+from ..platform import require_gpu
 from ..ranks.decider import AgreedDecider, Decider, decider_for
 from ..tree import clone_tree
+from .device_sized import DeviceSizedCall
 from .engine import BucketEngine
 from .options import BatchedOutputs, PoolOptions
 from .static_io import StaticIO, guard_outputs
@@ -323,6 +325,19 @@ class ShapeBucketPool:
             out = engine.call(io.inputs, io.leaves, io.batch_size, io.args, io.kwargs, False)
             io.use(engine.fast_io(io.batch_size, out))
             return guard_outputs(out, self._epoch) if switches.debug else out
+
+    def device_sized(self, *example_args: Any, device_launch: bool = True, **example_kwargs: Any) -> DeviceSizedCall:
+        """Calls whose row count is a device tensor: ``call = pool.device_sized(example); out = call(n, x)``.
+
+        One host launch per call picks the bucket on the GPU and launches its
+        graph from the device (CUDA 12+), where padding is proven safe; else a
+        host read of ``n`` and an ordinary call, with the reason
+        (:mod:`.device_sized`). Captures every bucket first (:meth:`capture_all`),
+        then one device graph per bucket, each checked with poisoned padding.
+        ``device_launch=False`` forces the host path (as HIP runs it).
+        """
+        require_gpu("ShapeBucketPool.device_sized")
+        return DeviceSizedCall(self, example_args, example_kwargs, device_launch=device_launch)
 
     def replay_buffers(self, batch_size: int) -> Any:
         """Replay the bucket of ``batch_size`` on what the static input buffers hold now (no copies in).
