@@ -94,3 +94,15 @@ def test_launchers_compile_and_link_against_the_device_runtime():
     images = dict(jit.compile_source(dl.LAUNCHER_SOURCE, 90, name="l.cu", options=("--relocatable-device-code=true",)))
     linked = jit.link_cubin(images["cubin sm_90"], 90, libraries=(devrt,))
     assert linked[:4] == b"\x7fELF" and len(linked) > len(images["cubin sm_90"])  # the device runtime is in
+
+
+def test_health_check_and_doctor_say_whether_device_launch_is_there():
+    import gfxgraph
+    from hipgraph_bridge import health
+
+    report = gfxgraph.health_check()
+    ok, detail = health.device_launch_available()
+    assert report["device_launch"] is ok
+    assert f"device-side graph launch: {detail}" in report["details"]
+    if not ok:
+        assert detail  # a reason, never an empty line

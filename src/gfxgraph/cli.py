@@ -155,7 +155,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2, default=str))
     else:
         print(f"gfxgraph {gfxgraph.__version__} doctor: {'OK' if report['ok'] else 'NOT OK'}")
-        for key in ("backend", "gpu", "arch", "torch", "runtime_version", "native_bridge",
+        for key in ("backend", "gpu", "arch", "torch", "runtime_version", "native_bridge", "device_launch",
                     "vram_total_mb", "vram_free_mb", "capture_us", "replay_us"):
             if key in report:
                 print(f"  {key:16s} {report[key]}")

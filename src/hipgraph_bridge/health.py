@@ -13,8 +13,9 @@ from .graph.bridged import SafeCUDAGraph
 from .graph.capture import warm_up
 from .platform import probe
 from .runtime import current_runtime
+from .runtime.device_launch import device_launch_unavailable_reason, find_cudadevrt
 
-__all__ = ["health_check", "native_bridge_available", "config_problems"]
+__all__ = ["health_check", "native_bridge_available", "config_problems", "device_launch_available"]
 
 
 def native_bridge_available() -> tuple[bool, str]:
@@ -37,6 +38,18 @@ def native_bridge_available() -> tuple[bool, str]:
         return False, (f"{loaded} loads, but PyTorch is a {p.backend.upper()} build: the runtime "
                        f"layer must bind the {p.backend.upper()} runtime (check GFXGRAPH_LIB)")
     return True, loaded
+
+
+def device_launch_available() -> tuple[bool, str]:
+    """Whether device-side graph launch can be used here (CUDA 12+, NVRTC, nvJitLink, ``libcudadevrt.a``);
+    the detail says where the library is, or why not (then the host launch path is used)."""
+    try:
+        why = device_launch_unavailable_reason(current_runtime())
+    except Exception as exc:  # no runtime binding at all
+        why = f"no runtime binding: {exc}"
+    if why is not None:
+        return False, why
+    return True, f"available (libcudadevrt: {find_cudadevrt()})"
 
 
 def config_problems() -> list[str]:
@@ -117,9 +130,11 @@ def _device_report() -> dict[str, Any]:
         "details": [],
     }
     details: list[str] = report["details"]
+    report["device_launch"], launch_detail = device_launch_available()
     if p.backend is None:
         details.append(p.reason or "no GPU backend")
         details.append(f"native bridge: {native_detail}")
+        details.append(f"device-side graph launch: {launch_detail}")
         return report
     free, total = torch.cuda.mem_get_info()
     report["vram_total_mb"] = round(total / 2**20, 1)
@@ -137,4 +152,5 @@ def _device_report() -> dict[str, Any]:
         else:
             details.append(f"graph replay differed from eager by {trip['max_abs_error']:.3g}")
     details.append(f"native bridge: {native_detail}")
+    details.append(f"device-side graph launch: {launch_detail}")
     return report

@@ -61,6 +61,8 @@ if TYPE_CHECKING:
 
 __all__ = ["DeviceSizedCall"]
 
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
 
 class DeviceSizedCall:
     """Calls of one pool whose row count is a device tensor (see the module docstring).
@@ -117,6 +119,10 @@ class DeviceSizedCall:
             logger.warning("gfxgraph: %s.device_sized(): host path (a host read of n per call): %s",
                            type(pool).__name__, self.reason)
         self._result = pytree.tree_unflatten(self._outputs, self._spec) if self._spec is not None else None
+        # positional tensor arguments only: a call checks shape and dtype per argument and copies, no pytree walk
+        plain = not example_kwargs and all(isinstance(a, torch.Tensor) for a in example_args) \
+            and len(inputs.buffers) == len(example_args)
+        self._quick = [(buf, buf.shape, buf.dtype) for buf in inputs.buffers] if plain else None
 
     # ------------------------------------------------------------------ decisions
     def _why_host(self) -> str | None:
@@ -215,7 +221,22 @@ class DeviceSizedCall:
     # ------------------------------------------------------------------ calls
     def __call__(self, n: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         """Copy ``n`` (a 0-dim or one-element integer tensor on the pool's GPU) and the arguments (``capacity``
-        rows each, laid out as the example) into the buffers, then :meth:`run`."""
+        rows each, laid out as the example) into the buffers, then :meth:`run`.
+
+        Host cost with positional tensor arguments: a shape and dtype check and a copy per argument, a copy
+        of ``n`` and one graph launch; no host read."""
+        quick = self._quick
+        if quick is not None and not kwargs and len(args) == len(quick) and type(n) is torch.Tensor \
+                and n.dtype in _INDEX_DTYPES and n.dim() == 0:
+            for (buf, shape, dtype), a in zip(quick, args):
+                if type(a) is not torch.Tensor or a.shape != shape or a.dtype != dtype:
+                    break
+            else:
+                for (buf, _, _), a in zip(quick, args):
+                    if a.data_ptr() != buf.data_ptr():
+                        buf.copy_(a)
+                self.n.copy_(n)
+                return self.run()
         if not isinstance(n, torch.Tensor) or n.numel() != 1 or n.dtype.is_floating_point or n.is_complex():
             raise TypeError(f"n: expected a one-element integer tensor on {self._device}, got "
                             f"{type(n).__name__ if not isinstance(n, torch.Tensor) else f'{n.dtype} {tuple(n.shape)}'}")
