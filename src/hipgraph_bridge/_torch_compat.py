@@ -525,6 +525,20 @@ def compile_cache_counters() -> dict[str, int]:
             "aot_autograd_bypass": int(aot["autograd_cache_bypass"])}
 
 
+def compile_time_seconds() -> dict[str, float]:
+    """Seconds dynamo's own timers recorded in this process: ``dynamo`` (tracing, guards, bytecode: its
+    compiles minus the backend's part) and ``backend`` (the backend compiler on each graph: AOTAutograd
+    and inductor, or gfxgraph's backend with the inductor it calls). Zeros where a torch version lacks
+    the timers (``torch._dynamo.utils.compilation_time_metrics``, ``_compile.compile_inner``,
+    ``OutputGraph.call_user_compiler``)."""
+    from torch._dynamo import utils  # heavy (imports dynamo): only start-up tools ask
+
+    metrics = getattr(utils, "compilation_time_metrics", {})
+    total = float(sum(metrics.get("_compile.compile_inner", ())))
+    backend = float(sum(metrics.get("OutputGraph.call_user_compiler", ())))
+    return {"dynamo": max(total - backend, 0.0), "backend": backend}
+
+
 def maybe_mark_dynamic(t: torch.Tensor, dim: int) -> None:
     """``torch._dynamo.maybe_mark_dynamic``: compile ``t``'s ``dim`` as a symbol from its first
     frame (one compile for every batch size) unless the code specialises it; never raises for that."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 
 from gfxgraph.suites._common import child_env, figure, parser, write
-from hipgraph_bridge._torch_compat import maybe_mark_dynamic
+from hipgraph_bridge._torch_compat import compile_time_seconds, maybe_mark_dynamic
 
 BUCKETS_36 = sorted([1, 2, 4, 8, 12, *range(16, 257, 8)])
 CONTENDERS = ("pool", "backend", "reduce-overhead")
@@ -53,6 +54,11 @@ def child(contender: str, phase: str, blob: str, spawned: float) -> dict[str, An
 
     imported = time.time()
     out: dict[str, Any] = {"contender": contender, "phase": phase, "import_s": imported - spawned}
+    bypassed = _CacheBypasses()  # why a graph skipped inductor's or AOTAutograd's cache: it recompiles every start
+    for name in ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache"):
+        lg = logging.getLogger(name)
+        lg.addHandler(bypassed)
+        lg.setLevel(min(lg.getEffectiveLevel(), logging.INFO))
     if contender == "backend" and phase == "portable":
         out["loaded"] = gfxgraph.cache.load(blob)
     t = time.time()
@@ -89,11 +95,30 @@ def child(contender: str, phase: str, blob: str, spawned: float) -> dict[str, An
         logits = run(ids, pos)
         tokens = logits.argmax(-1).tolist()  # the host read: the first call served
     served = time.time()
+    times = compile_time_seconds()
+    # cold-start breakdown: dynamo's tracing, the backend compiler (inductor inside), gfxgraph's captures
+    # (reduce-overhead's recordings are cudagraph trees', which gfxgraph does not time)
+    out["breakdown_s"] = {"dynamo": times["dynamo"], "backend compile": times["backend"],
+                          "capture": gfxgraph.stats()["capture_seconds"] if contender != "reduce-overhead" else None}
+    out["cache_bypass_reasons"] = sorted(set(bypassed.reasons))
     out.update(tokens=tokens, served_s=served - spawned, to_first_call_s=served - spawned - out["model_s"],
                graph_bytes=gfxgraph.graph_pool_bytes(), cache=gfxgraph.cache.hits())
     if contender == "backend" and phase == "cold":
         out["saved"] = gfxgraph.cache.save(blob)
     return out
+
+
+class _CacheBypasses(logging.Handler):
+    """Keeps the messages in which inductor or AOTAutograd says it bypassed its cache, and why."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.reasons: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if "ypass" in msg:
+            self.reasons.append(msg[:300])
 
 
 def _spawn(contender: str, phase: str, folder: str, blob: str) -> dict[str, Any]:
@@ -153,7 +178,9 @@ def figures(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                            note=f"imports {r['import_s']:.1f} s, warm-up {r['warmup_s']:.1f} s"
                                 f" (compile {r.get('compile_s', float('nan')):.1f} s), graph memory "
                                 f"{r['graph_bytes'] / 2**20:.0f} MiB, fx-graph cache hits/misses "
-                                f"{r['cache']['fx_graph_hit']}/{r['cache']['fx_graph_miss']}"))
+                                f"{r['cache']['fx_graph_hit']}/{r['cache']['fx_graph_miss']}"
+                                + "".join(f", {k} {v:.1f} s" for k, v in r.get("breakdown_s", {}).items()
+                                          if v is not None)))
     ok = {k: r for k, r in runs.items() if "error" not in r}
     warm, ro = ok.get("backend warm"), ok.get("reduce-overhead warm")
     if warm is not None:
