@@ -13,7 +13,8 @@ def arithmetic_step(tokens: torch.Tensor, position: torch.Tensor) -> torch.Tenso
 
 
 def host_loop(step, tokens, position, n, *, eos=None, pad=None, unfinished=None):
-    """Greedy decoding as generate(do_sample=False) does it, one host check per token (``eos``: an id or a list)."""
+    """Greedy decoding as generate(do_sample=False) does it, one host check per token (``eos``: an id or a list;
+    ``position``: an int, or a (batch,) tensor of per-row positions)."""
     ids = None if eos is None else torch.tensor([eos] if isinstance(eos, int) else list(eos), device=tokens.device)
     pad = (None if eos is None else int(ids[0])) if pad is None else pad
     tok = tokens.clone()
@@ -22,7 +23,8 @@ def host_loop(step, tokens, position, n, *, eos=None, pad=None, unfinished=None)
     for i in range(n):
         if eos is not None and not bool(alive.any()):
             break
-        nxt = step(tok, torch.tensor(position + i, device=tok.device)).long()
+        pos = position + i if isinstance(position, torch.Tensor) else torch.tensor(position + i, device=tok.device)
+        nxt = step(tok, pos).long()
         if eos is not None:
             nxt = torch.where(alive, nxt, pad)
             alive &= ~torch.isin(nxt, ids)

@@ -149,3 +149,51 @@ def test_an_abandoned_iterator_blocks_nothing():
     next(it)
     assert torch.equal(loop.generate(FIRST, 0, max_new_tokens=3), host_loop(arithmetic_step, FIRST, 0, 3))
     del it
+
+
+# ------------------------------------------------------------------ ragged batches: one position per sequence
+ROWS = torch.tensor([5, 0, 17])  # left-padded prompts of different lengths continue at different positions
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 16])
+@pytest.mark.parametrize("budget", [1, 7, 12])
+def test_per_sequence_positions_give_the_host_loops_tokens(chunk, budget):
+    seen = []
+
+    def step(tokens, position):
+        seen.append(tuple(position.shape))
+        return arithmetic_step(tokens, position)
+
+    loop = DeviceDecodeLoop(step, batch_size=3, chunk=chunk, device="cpu")
+    got = loop.generate(FIRST, ROWS, max_new_tokens=budget)
+    assert torch.equal(got, host_loop(arithmetic_step, FIRST, ROWS, budget))
+    assert set(seen) == {(3,)}  # the step gets one position per sequence
+    assert loop.body_kind.ragged
+
+
+def test_per_sequence_positions_with_eos_end_each_row_as_the_host_loop_does():
+    want = host_loop(arithmetic_step, FIRST, ROWS, 40).tolist()
+    firsts = {v: [row.index(v) if v in row else None for row in want] for v in range(50)}
+    eos = next(v for v, f in firsts.items() if None not in f and len(set(f)) == 3)
+    got = _loop(chunk=4).generate(FIRST, ROWS, max_new_tokens=40, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(got, host_loop(arithmetic_step, FIRST, ROWS, 40, eos=eos, pad=0))
+    assert got.shape[1] < 40
+
+
+def test_scalar_and_per_sequence_generations_alternate_on_one_loop():
+    loop = _loop(chunk=4)
+    same = torch.full((3,), 5)
+    ragged = loop.generate(FIRST, ROWS, max_new_tokens=9)
+    scalar = loop.generate(FIRST, 5, max_new_tokens=9)  # another body: captured again
+    assert not loop.body_kind.ragged
+    assert torch.equal(loop.generate(FIRST, same, max_new_tokens=9), scalar)  # equal rows: the scalar's tokens
+    assert torch.equal(loop.generate(FIRST, torch.tensor(5), max_new_tokens=9), scalar)  # a 0-dim tensor
+    assert torch.equal(ragged, host_loop(arithmetic_step, FIRST, ROWS, 9))
+    assert loop.captured_for(False, ragged=False) and not loop.captured_for(False, ragged=True)
+
+
+@pytest.mark.parametrize("position", [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1, 2]), torch.zeros(3, 1).long(),
+                                      torch.ones(3, dtype=torch.bool), -1, 2.0])
+def test_bad_positions_are_named(position):
+    with pytest.raises(ValueError, match="position: expected an int >= 0"):
+        _loop().generate(FIRST, position, max_new_tokens=2)

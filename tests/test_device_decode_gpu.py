@@ -210,3 +210,22 @@ def test_static_cache_decoder_device_loop_equals_eager(llama, b, strategy):
     assert torch.equal(dev.generate(ids, max_new_tokens=40, eos_token_id=eos, pad_token_id=0),
                        eager.generate(ids, max_new_tokens=40, eos_token_id=eos, pad_token_id=0))
     assert dev._slots[b].loop.strategy == strategy
+
+
+@pytest.mark.parametrize("strategy", ["native", "host"])
+def test_one_position_per_sequence_gives_the_host_loops_tokens(lm, strategy):
+    """A ragged batch: each sequence at its own position (the step gets them as a (batch,) tensor), with and
+    without an EOS id; the scalar generation on the same loop afterwards is unchanged."""
+    strategy = _strategy(strategy)
+    with torch.no_grad():
+        first = _first(4)
+        start = torch.tensor([3, 40, 0, 17], device="cuda")
+        loop = DeviceDecodeLoop(lm, batch_size=4, chunk=16, strategy=strategy)
+        want = host_loop(lm, first, start, 37)
+        assert torch.equal(loop.generate(first, start, max_new_tokens=37), want)
+        assert loop.strategy == strategy, loop.strategy_reason
+        eos, firsts = _eos_ending_rows_at_different_steps(want, V)
+        got = loop.generate(first, start, max_new_tokens=37, eos_token_id=eos, pad_token_id=V)
+        assert torch.equal(got, host_loop(lm, first, start, 37, eos=eos, pad=V))
+        assert got.shape[1] == max(firsts) + 1
+        assert torch.equal(loop.generate(first, 7, max_new_tokens=20), host_loop(lm, first, 7, 20))

@@ -11,6 +11,7 @@ from _tiny_llama import prompt, tiny_llama
 from gfxgraph import ConfigError
 from gfxgraph.hf import StaticCacheDecoder
 from hipgraph_bridge.generation import DeviceDecodeLoop
+from hipgraph_bridge.generation.device_loop import BodyKind
 from hipgraph_bridge.generation.sampling import SamplingParams, sample_tokens
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path; the GPU file covers a GPU")
@@ -20,8 +21,8 @@ _TABLE = torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(0)) *
 
 
 def logits_step(tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """A toy model: the next token's logits depend on the last token and the position."""
-    return _TABLE[tokens] + 0.1 * torch.cos(position.float() * torch.arange(VOCAB, dtype=torch.float32))
+    """A toy model: the next token's logits depend on the last token and the position (0-dim, or one per row)."""
+    return _TABLE[tokens] + 0.1 * torch.cos(position.float().unsqueeze(-1) * torch.arange(VOCAB, dtype=torch.float32))
 
 
 def reference(first: torch.Tensor, start: int, new: int, params: SamplingParams) -> torch.Tensor:
@@ -150,3 +151,55 @@ def test_a_refused_sampling_call_changes_nothing_and_a_capture_supersedes_iterat
     with pytest.raises(RuntimeError, match="superseded"):
         next(it)
     assert loop.captured_for(True) and not loop.captured_for(False)
+
+
+# ------------------------------------------------------------------ bodies per filter set; ragged batches
+def _sorts_while(fn) -> int:
+    """How many sorts ran during ``fn()`` (the profiler's count of aten::sort)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key == "aten::sort")
+
+
+def test_plain_temperature_sampling_runs_no_sort_and_a_filter_runs_its_own():
+    loop = DeviceDecodeLoop(logits_step, batch_size=BATCH, chunk=4, device="cpu")
+    kw = dict(max_new_tokens=8, do_sample=True, seed=4)
+    assert _sorts_while(lambda: loop.generate(FIRST, 0, temperature=0.7, **kw)) == 0
+    assert loop.body_kind == BodyKind(sampling=True)
+    assert _sorts_while(lambda: loop.generate(FIRST, 0, top_k=5, **kw)) == 8  # one per token: top-k's
+    assert _sorts_while(lambda: loop.generate(FIRST, 0, top_k=5, top_p=0.9, **kw)) == 16  # and top-p's
+    assert _sorts_while(lambda: loop.generate(FIRST, 0, top_p=1.0, **kw)) == 0  # top_p=1 removes nothing: off
+
+
+@pytest.mark.parametrize("settings", [{"temperature": 0.7}, {"top_k": 5}, {"top_p": 0.8},
+                                      {"temperature": 1.3, "top_k": 3, "top_p": 0.9}])
+def test_switching_filters_recaptures_and_keeps_the_reference_tokens(settings):
+    loop = DeviceDecodeLoop(logits_step, batch_size=BATCH, chunk=4, device="cpu")
+    loop.generate(FIRST, 2, max_new_tokens=5, do_sample=True, seed=1, top_k=2, top_p=0.5)  # another filter set
+    got = loop.generate(FIRST, 2, max_new_tokens=12, do_sample=True, seed=99, **settings)
+    assert torch.equal(got, reference(FIRST, 2, 12, SamplingParams(do_sample=True, seed=99, **settings)))
+    assert loop.captured_for(True, top_k=settings.get("top_k"), top_p=settings.get("top_p"))
+    # a body is per filter set, not per value: any k and p share the one with both filters on
+    assert loop.captured_for(True, top_k=50, top_p=0.5) == ("top_k" in settings and "top_p" in settings)
+
+
+def reference_ragged(first: torch.Tensor, start: torch.Tensor, new: int, params: SamplingParams) -> torch.Tensor:
+    """The reference with one position per row: row i's token after its position p uses (seed, i, p)."""
+    tok, out = first, []
+    for i in range(new):
+        pos = start + i
+        logits = torch.stack([logits_step(tok[r:r + 1], pos[r])[0] for r in range(BATCH)])  # row by row
+        tok = sample_tokens(logits, params, torch.arange(BATCH), pos)
+        out.append(tok)
+    return torch.stack(out, dim=1)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 16])
+def test_ragged_sampling_draws_each_row_at_its_own_position(chunk):
+    start = torch.tensor([7, 2, 30])
+    settings = dict(temperature=0.9, top_k=10, top_p=0.95)
+    loop = DeviceDecodeLoop(logits_step, batch_size=BATCH, chunk=chunk, device="cpu")
+    got = loop.generate(FIRST, start, max_new_tokens=12, do_sample=True, seed=21, **settings)
+    assert torch.equal(got, reference_ragged(FIRST, start, 12, SamplingParams(do_sample=True, seed=21, **settings)))
+    same = loop.generate(FIRST, torch.full((BATCH,), 2), max_new_tokens=12, do_sample=True, seed=21, **settings)
+    assert torch.equal(same, reference(FIRST, 2, 12, SamplingParams(do_sample=True, seed=21, **settings)))

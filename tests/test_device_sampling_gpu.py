@@ -1,14 +1,15 @@
 """Sampling inside the device loop on a GPU: the native WHILE loop and the host loop (HIP's strategy, forced on
-CUDA) draw the reference sampler's tokens for every chunk size; the reference's draws on the GPU follow the
-filtered distribution (chi-square over 200,000 draws)."""
+CUDA) draw the reference sampler's tokens for every chunk size, filter set and ragged batch; the reference's
+draws on the GPU follow the filtered distribution (chi-square over 200,000 draws); the fused Triton uniform
+kernel gives the torch reference's bits, in and out of a captured graph."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hipgraph_bridge.generation import DeviceDecodeLoop
-from hipgraph_bridge.generation.sampling import SamplingParams, filter_logits, sample_tokens
+from hipgraph_bridge.generation import DeviceDecodeLoop, sampling
+from hipgraph_bridge.generation.sampling import SamplingParams, filter_logits, sample_tokens, seed_key, uniform
 
 pytestmark = pytest.mark.gpu
 
@@ -22,26 +23,36 @@ def _table() -> torch.Tensor:
 def _step(table: torch.Tensor):
     freq = torch.arange(VOCAB, dtype=torch.float32, device="cuda")
 
-    def step(tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        return table[tokens] + 0.1 * torch.cos(position.float() * freq)
+    def step(tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:  # position: 0-dim or one per row
+        return table[tokens] + 0.1 * torch.cos(position.float().unsqueeze(-1) * freq)
 
     return step
 
 
 def _reference(step, first, start, new, params):
+    """The host loop with the reference sampler (``start``: an int, or one position per row)."""
     tok, out = first, []
     for i in range(new):
-        pos = torch.tensor(start + i, device="cuda")
-        tok = sample_tokens(step(tok, pos), params, torch.arange(BATCH, device="cuda"), pos.expand(BATCH))
+        pos = start + i if isinstance(start, torch.Tensor) else torch.tensor(start + i, device="cuda").expand(BATCH)
+        tok = sample_tokens(step(tok, pos), params, torch.arange(BATCH, device="cuda"), pos)
         out.append(tok)
     return torch.stack(out, dim=1)
 
 
+def _triton_or_skip():
+    why = sampling.fused_unavailable_reason()
+    if why is not None:
+        pytest.skip(f"the fused uniform kernel cannot run here: {why}")
+
+
+SETTINGS = [{"temperature": 0.8, "top_k": 20, "top_p": 0.9}, {"temperature": 0.7}, {"top_k": 5}, {"top_p": 0.8}]
+
+
+@pytest.mark.parametrize("settings", SETTINGS)
 @pytest.mark.parametrize("strategy", ["native", "host"])
-def test_every_strategy_and_chunk_draws_the_reference_tokens(strategy):
+def test_every_strategy_and_chunk_draws_the_reference_tokens(strategy, settings):
     step = _step(_table())
     first = torch.tensor([1, 5, 9, 13], device="cuda")
-    settings = {"temperature": 0.8, "top_k": 20, "top_p": 0.9}
     want = _reference(step, first, 3, 40, SamplingParams(do_sample=True, seed=1234, **settings))
     greedy = _reference(step, first, 3, 40, SamplingParams())
     for chunk in (1, 16, 64):
@@ -104,3 +115,117 @@ def test_switching_between_greedy_and_sampling_on_one_decoder_after_a_full_cache
             dict(max_new_tokens=26)]
     for kw in runs:
         assert torch.equal(dec.generate(ids, eos_token_id=None, **kw), eager.generate(ids, eos_token_id=None, **kw)), kw
+
+
+# ------------------------------------------------------------------ the fused uniform kernel
+def _cases(seed: int):
+    """(sequence, position) tensors over the counter's whole range: positions at and past 2**32 (the counter's
+    third word), sequences up to 2**32 - 1, and broadcast shapes (a scalar position: stride 0; a grid)."""
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.randint(0, 2**32, (4096,), generator=g)
+    seq[:3] = torch.tensor([0, 2**31, 2**32 - 1])
+    pos = torch.randint(0, 2**62, (4096,), generator=g)
+    pos[:8] = torch.tensor([0, 1, 2**32 - 1, 2**32, 2**32 + 1, 2**33 + 5, 2**48 + 3, 2**63 - 1])
+    pos[8:1000] = torch.randint(2**32 - 500, 2**32 + 500, (992,), generator=g)  # around the carry into word 2
+    cuda = [t.cuda() for t in (seq, pos)]
+    return [tuple(cuda), (cuda[0], torch.tensor(2**40 + 7, device="cuda")),
+            (torch.arange(64, device="cuda").view(64, 1), cuda[1][:100].view(1, 100))]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2**32 - 1, 2**32, 2**64 - 1, 0xA4093822299F31D0, 20261202])
+def test_fused_uniform_equals_the_reference_bit_for_bit(seed):
+    _triton_or_skip()
+    key = seed_key(seed, "cuda")
+    for seq, pos in _cases(seed & 0xFFFF):
+        fused = uniform(key, seq, pos, fused=True)
+        ref = uniform(key, seq, pos, fused=False)
+        assert fused.dtype == torch.float64 and fused.shape == ref.shape
+        assert torch.equal(fused, ref), (seed, int((fused != ref).sum()), fused.numel())
+    assert torch.equal(uniform(seed, seq, pos, fused=True), ref)  # an int seed: its key made on the device
+
+
+def test_uniform_on_the_gpu_runs_the_fused_kernel(monkeypatch):
+    _triton_or_skip()
+    calls = []
+    module = sampling._fused_module()
+    original = module.uniform_fused
+    monkeypatch.setattr(module, "uniform_fused", lambda *a: calls.append(1) or original(*a))
+    seq, pos = torch.arange(8, device="cuda"), torch.full((8,), 2**35, device="cuda")
+    got = uniform(5, seq, pos)  # fused=None: the kernel where triton imports
+    assert calls == [1] and torch.equal(got, uniform(5, seq, pos, fused=False)) and calls == [1]
+
+
+def test_fused_uniform_replays_in_a_captured_graph_without_a_warm_up():
+    """prepare_fused() compiles and loads the kernel; the capture itself then only records its launch. Replays
+    read the key and positions from their buffers (new values each time) and allocate nothing."""
+    _triton_or_skip()
+    assert sampling.prepare_fused("cuda") is True
+    key = seed_key(9, "cuda")
+    seq = torch.arange(16, device="cuda")
+    pos = torch.zeros(16, dtype=torch.long, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, capture_error_mode="thread_local"):  # as gfxgraph's own captures run
+        out = uniform(key, seq, pos)
+    for step in (0, 1, 2**32 - 1, 2**32 + 7):
+        pos.fill_(step)
+        key.copy_(seed_key(9 + step % 3, "cuda"))
+        g.replay()
+        assert torch.equal(out, uniform(key, seq, pos, fused=False)), step
+
+
+@pytest.mark.parametrize("strategy", ["native", "host"])
+def test_ragged_batches_draw_each_row_at_its_own_position(strategy):
+    step = _step(_table())
+    first = torch.tensor([1, 5, 9, 13], device="cuda")
+    start = torch.tensor([3, 40, 0, 2**32 + 1], device="cuda")  # one position per row, one past 2**32
+    settings = {"temperature": 0.9, "top_p": 0.9}
+    want = _reference(step, first, start, 30, SamplingParams(do_sample=True, seed=77, **settings))
+    for chunk in (1, 16):
+        loop = DeviceDecodeLoop(step, batch_size=BATCH, chunk=chunk, strategy=strategy)
+        got = loop.generate(first, start, max_new_tokens=30, do_sample=True, seed=77, **settings)
+        assert loop.strategy == strategy, loop.strategy_reason
+        assert torch.equal(got, want), (strategy, chunk)
+        greedy = loop.generate(first, start, max_new_tokens=30)
+        assert torch.equal(greedy, _reference(step, first, start, 30, SamplingParams()))
+
+
+@pytest.mark.parametrize("strategy", ["native", "host"])
+def test_left_padded_sampling_in_the_decoder_is_the_same_on_every_path(strategy):
+    transformers = pytest.importorskip("transformers")
+    from _tiny_llama import tiny_llama
+    from gfxgraph.hf import StaticCacheDecoder
+
+    model = tiny_llama(transformers)
+    g = torch.Generator().manual_seed(4)
+    lengths = (3, 17, 9, 40)
+    ids = torch.zeros(4, 40, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, 40 - n:] = torch.randint(1, 1000, (n,), generator=g)
+        mask[i, 40 - n:] = 1
+    ids, mask = ids.cuda(), mask.cuda()
+    settings = dict(do_sample=True, temperature=0.8, top_k=40, top_p=0.9, seed=3, eos_token_id=None)
+    want = StaticCacheDecoder(model, max_cache_len=80, graphs=False).generate(ids, attention_mask=mask,
+                                                                              max_new_tokens=24, **settings)
+    graphed = StaticCacheDecoder(model, max_cache_len=80).generate(ids, attention_mask=mask, max_new_tokens=24,
+                                                                   **settings)
+    assert torch.equal(graphed, want)
+    for chunk in (1, 16):
+        dec = StaticCacheDecoder(model, max_cache_len=80, device_loop=chunk, strategy=strategy)
+        assert torch.equal(dec.generate(ids, attention_mask=mask, max_new_tokens=24, **settings), want), chunk
+
+
+@pytest.mark.parametrize("strategy", ["native", "host"])
+def test_the_loop_draws_the_same_tokens_with_the_kernel_and_with_the_reference(strategy, monkeypatch):
+    """The captured body's Triton kernel against the torch reference captured in its place (the module switch):
+    the same tokens, inside the WHILE body and in the host loop's step graph."""
+    _triton_or_skip()
+    step = _step(_table())
+    first = torch.tensor([1, 5, 9, 13], device="cuda")
+    start = torch.tensor([3, 2**32 - 2, 0, 11], device="cuda")  # a row whose position carries into word 2
+    kw = dict(max_new_tokens=40, do_sample=True, seed=5, temperature=0.9)
+    fused = DeviceDecodeLoop(step, batch_size=BATCH, chunk=16, strategy=strategy).generate(first, start, **kw)
+    monkeypatch.setattr(sampling, "FUSED_BY_DEFAULT", False)
+    loop = DeviceDecodeLoop(step, batch_size=BATCH, chunk=16, strategy=strategy)
+    assert torch.equal(loop.generate(first, start, **kw), fused)
+    assert loop.strategy == strategy, loop.strategy_reason

@@ -115,3 +115,92 @@ def test_eos_defaults_to_the_generation_config(llama, monkeypatch):
     assert torch.equal(dec.generate(ids, max_new_tokens=NEW), want)
     monkeypatch.setattr(llama.generation_config, "eos_token_id", None)
     assert dec.generate(ids, max_new_tokens=NEW).shape == (2, NEW)  # none configured: every token decoded
+
+
+# ------------------------------------------------------------------ left-padded prompts with an attention mask
+LENGTHS = (3, 11, 7, 20)
+
+
+def _left_padded(lengths=LENGTHS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = max(lengths)
+    ids = torch.zeros(len(lengths), n, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, length in enumerate(lengths):
+        ids[i, n - length:] = torch.randint(1, 1000, (length,), generator=g)
+        mask[i, n - length:] = 1
+    return ids, mask
+
+
+def _hf_padded(llama, ids, mask, new, **kw):
+    with torch.no_grad():
+        return llama.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
+                              **kw)[:, ids.shape[1]:]
+
+
+PADDED_NEW = 14
+
+
+@pytest.fixture(scope="module")
+def padded_reference(llama):
+    """transformers' generate() on the left-padded batch: without an EOS, and with an EOS id only row 1
+    produces (from its third token on), so that row ends early and the others run to the budget."""
+    ids, mask = _left_padded()
+    free = _hf_padded(llama, ids, mask, PADDED_NEW, eos_token_id=None, min_new_tokens=PADDED_NEW)
+    rows = free.tolist()
+    eos = next(t for t in rows[1][2:] if all(t not in row for i, row in enumerate(rows) if i != 1))
+    return ids, mask, free, eos, _hf_padded(llama, ids, mask, PADDED_NEW, eos_token_id=eos)
+
+
+@pytest.mark.parametrize("mode", [dict(graphs=False), dict(), dict(device_loop=4), dict(device_loop=1)])
+def test_left_padded_prompts_give_generates_tokens_row_by_row(llama, padded_reference, mode):
+    ids, mask, free, eos, want = padded_reference
+    new = PADDED_NEW
+    dec = StaticCacheDecoder(llama, max_cache_len=ids.shape[1] + new + 2, **mode)
+    got = dec.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=None)
+    for r in range(len(LENGTHS)):
+        assert got[r].tolist() == free[r].tolist(), (mode, r)
+    rows = free.tolist()
+    end = rows[1].index(eos)
+    got = dec.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=eos, pad_token_id=0)
+    assert got.shape == want.shape == (len(LENGTHS), new), mode
+    assert all(got[r].tolist() == want[r].tolist() for r in range(len(LENGTHS))), mode
+    assert got[1, end + 1:].eq(0).all() and got[1, :end + 1].tolist() == rows[1][:end + 1]
+    # the same decoder then decodes an unpadded batch (a mask of ones is no padding) as before
+    plain = ids[:, -3:]
+    assert torch.equal(dec.generate(plain, attention_mask=torch.ones_like(plain), max_new_tokens=new,
+                                    eos_token_id=None),
+                       _hf_padded(llama, plain, torch.ones_like(plain), new, eos_token_id=None, min_new_tokens=new))
+
+
+def test_left_padded_sampling_is_the_same_on_every_path_and_draws_at_each_rows_position(llama):
+    from hipgraph_bridge.generation.sampling import SamplingParams, sample_tokens
+
+    ids, mask = _left_padded((2, 9, 5))
+    settings = dict(do_sample=True, temperature=0.9, top_k=40, top_p=0.95, seed=8, eos_token_id=None)
+    new = 10
+    paths = [StaticCacheDecoder(llama, max_cache_len=32, graphs=False), StaticCacheDecoder(llama, max_cache_len=32),
+             StaticCacheDecoder(llama, max_cache_len=32, device_loop=4)]
+    got = [d.generate(ids, attention_mask=mask, max_new_tokens=new, **settings) for d in paths]
+    assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
+    # the reference: the full forward pass with generate()'s mask and positions, row i's token after its
+    # position p drawn at (seed, i, p)
+    params = SamplingParams(do_sample=True, temperature=0.9, top_k=40, top_p=0.95, seed=8)
+    seq, m = ids, mask
+    with torch.no_grad():
+        for _ in range(new):
+            pos = (m.cumsum(-1) - 1).masked_fill(m == 0, 0)
+            logits = llama(input_ids=seq, attention_mask=m, position_ids=pos).logits[:, -1, :]
+            tok = sample_tokens(logits, params, torch.arange(3), pos[:, -1])
+            seq, m = torch.cat([seq, tok.view(3, 1)], 1), torch.cat([m, torch.ones(3, 1, dtype=m.dtype)], 1)
+    assert torch.equal(got[0], seq[:, ids.shape[1]:])
+
+
+@pytest.mark.parametrize("mask,match", [
+    (torch.ones(2, 3), "tensor of 0/1"), (torch.ones(2, 4, dtype=torch.long), "tensor of 0/1"),
+    (torch.tensor([[1, 1, 0], [1, 1, 1]]), "left padding"), (torch.tensor([[0, 2, 1], [1, 1, 1]]), "0 .* and 1"),
+    (torch.tensor([[0, 0, 0], [1, 1, 1]]), "at least one real token"), ("ones", "tensor of 0/1")])
+def test_bad_attention_masks_are_named(llama, mask, match):
+    with pytest.raises(ValueError, match=f"attention_mask: expected.*{match}|attention_mask: expected {match}"):
+        StaticCacheDecoder(llama, max_cache_len=16, graphs=False).generate(
+            torch.ones(2, 3, dtype=torch.long), attention_mask=mask, max_new_tokens=2)

@@ -108,3 +108,56 @@ def test_static_cache_decoder_rejects_bad_input(model):
         dec.generate(_prompt(1), max_new_tokens=10)
     with pytest.raises(ValueError, match="token ids"):
         dec.generate(torch.zeros(1, 3, device="cuda"), max_new_tokens=2)
+
+
+# ------------------------------------------------------------------ left-padded prompts of 3 to 40 tokens
+LENGTHS = (3, 40, 17, 9, 26, 5)
+RAGGED_NEW = 32
+
+
+@pytest.fixture(scope="module")
+def ragged(model):
+    """A left-padded batch of prompts of 3 to 40 tokens, transformers' generate() tokens for it without an EOS
+    (static cache, eager), and an EOS id that ends some rows mid-way with generate()'s tokens for it."""
+    g = torch.Generator().manual_seed(11)
+    width = max(LENGTHS)
+    ids = torch.zeros(len(LENGTHS), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(LENGTHS):
+        ids[i, width - n:] = torch.randint(1, 1000, (n,), generator=g)
+        mask[i, width - n:] = 1
+    ids, mask = ids.cuda(), mask.cuda()
+
+    def hf(**kw):
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=mask, max_new_tokens=RAGGED_NEW, do_sample=False,
+                                  cache_implementation="static", disable_compile=True, pad_token_id=0,
+                                  **kw)[:, width:]
+
+    free = hf(min_new_tokens=RAGGED_NEW, eos_token_id=None)
+    rows = free.tolist()
+    # a token some row produces mid-way and another row never does: the first ends early, the other runs on
+    row, eos = next((r, t) for r, tokens in enumerate(rows) for t in tokens[2:-2] if any(t not in o for o in rows))
+    return ids, mask, free, (row, eos), hf(eos_token_id=eos)
+
+
+@pytest.mark.parametrize("mode", [dict(), dict(device_loop=16, strategy="native"), dict(device_loop=1, strategy="native"),
+                                  dict(device_loop=16, strategy="host")])
+def test_left_padded_prompts_of_3_to_40_tokens_give_generates_tokens_row_by_row(model, ragged, mode):
+    ids, mask, free, (row, eos), want = ragged
+    dec = StaticCacheDecoder(model, max_cache_len=max(LENGTHS) + RAGGED_NEW + 8, **mode)
+    got = dec.generate(ids, attention_mask=mask, max_new_tokens=RAGGED_NEW, eos_token_id=None)
+    for r in range(len(LENGTHS)):
+        assert got[r].tolist() == free[r].tolist(), (mode, r, LENGTHS[r])
+    got = dec.generate(ids, attention_mask=mask, max_new_tokens=RAGGED_NEW, eos_token_id=eos, pad_token_id=0)
+    assert got.shape == want.shape, (mode, got.shape, want.shape)
+    for r in range(len(LENGTHS)):
+        assert got[r].tolist() == want[r].tolist(), (mode, r, LENGTHS[r])
+    end = free[row].tolist().index(eos)
+    assert got[row, end + 1:].eq(0).all() and got.shape[1] == RAGGED_NEW  # padded after its end, another goes on
+    if "device_loop" in mode:
+        assert dec._slots[len(LENGTHS)].loop.strategy == mode["strategy"]
+    # an unpadded batch on the same decoder afterwards: a scalar body again, generate()'s tokens
+    plain = ids[:, -3:]
+    assert torch.equal(dec.generate(plain, max_new_tokens=NEW, eos_token_id=None),
+                       _generate(model, plain, disable_compile=True)[:, 3:])

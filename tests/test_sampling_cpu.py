@@ -118,3 +118,54 @@ def test_sampling_needs_a_seed_and_with_seed_draws_one():
 
 def test_top_k_zero_is_off_as_in_transformers():
     assert SamplingParams(do_sample=True, top_k=0).top_k is None
+
+
+# ------------------------------------------------------------------ the fused kernel's fallback, the filters left out
+def test_the_reference_runs_on_a_cpu_and_the_kernel_is_refused_there():
+    from hipgraph_bridge.generation import sampling
+
+    seq, pos = torch.arange(6), torch.tensor(2**33 + 5)
+    auto = uniform(11, seq, pos)
+    assert torch.equal(auto, uniform(11, seq, pos, fused=False))  # CPU tensors: the reference, whatever triton
+    if not torch.cuda.is_available():
+        assert "no GPU" in sampling.fused_unavailable_reason()
+    assert sampling.prepare_fused("cpu") is False
+    with pytest.raises(RuntimeError, match="fused=True.*cannot run: the tensors are on cpu"):
+        uniform(11, seq, pos, fused=True)
+
+
+def test_fused_kernel_matches_the_reference_in_tritons_interpreter(py):
+    """The kernel's integer arithmetic (uint32 words, umulhi, the int64 -> uint32 casts) checked without a GPU:
+    triton's interpreter runs it on CPU tensors. Needs triton (PyTorch's CUDA/ROCm builds ship it)."""
+    pytest.importorskip("triton")
+    r = py("""
+        import torch
+        from hipgraph_bridge.generation._philox_triton import uniform_fused
+        from hipgraph_bridge.generation.sampling import seed_key, uniform
+        g = torch.Generator().manual_seed(0)
+        for seed in (0, 1, 2**32 - 1, 2**32, 2**64 - 1, 0xA4093822299F31D0):
+            key = seed_key(seed, "cpu")
+            seq = torch.randint(0, 2**32, (300,), generator=g)
+            pos = torch.randint(0, 2**62, (300,), generator=g)
+            pos[:4] = torch.tensor([0, 2**32 - 1, 2**32, 2**63 - 1])
+            assert torch.equal(uniform_fused(key, seq, pos), uniform(key, seq, pos, fused=False)), seed
+            scalar = torch.tensor(2**40 + 7)  # broadcast: stride 0
+            assert torch.equal(uniform_fused(key, seq, scalar), uniform(key, seq, scalar, fused=False)), seed
+        print("ok")
+    """, env={"TRITON_INTERPRET": "1"}, timeout=300)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+def test_filters_that_are_off_are_left_out_with_the_same_scores():
+    from hipgraph_bridge.generation.sampling import filter_flags, filter_scores, filter_tensors
+
+    torch.manual_seed(3)
+    logits = torch.randn(5, 300) * 4
+    logits[1, :10] = -math.inf  # removed already: the full path's k-th value may be -inf
+    for t, k, p in [(1.0, None, None), (0.6, None, None), (0.8, 7, None), (1.2, None, 0.9), (1.0, None, 1.0)]:
+        settings = filter_tensors(t, k, p, logits.shape[-1], "cpu")
+        full = filter_scores(logits, *settings)  # every filter run, the off ones removing nothing
+        use_k, use_p = filter_flags(k, p)
+        assert torch.equal(filter_scores(logits, *settings, use_top_k=use_k, use_top_p=use_p), full), (t, k, p)
+    assert filter_flags(None, None) == (False, False) and filter_flags(0, 1.0) == (False, False)
+    assert filter_flags(5, 0.9) == (True, True)

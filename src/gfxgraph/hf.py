@@ -23,6 +23,8 @@ Two ways, both for a causal LM with a static KV cache (transformers >= 4.46):
   loop itself runs on the device: one graph launch decodes up to K tokens and
   stops at EOS there (a CUDA WHILE node; the host reads once per launch, not
   once per token; see :class:`~hipgraph_bridge.generation.DeviceDecodeLoop`).
+  Left-padded prompts of different lengths take an ``attention_mask`` as
+  ``generate()`` does: per-row positions, the padding masked in every step.
 
 transformers is imported only when these are used (it is not a dependency of gfxgraph).
 """
@@ -44,8 +46,8 @@ from hipgraph_bridge.checks import check_token_ids
 from hipgraph_bridge.errors import ConfigError
 from hipgraph_bridge.generation import DeviceDecodeLoop
 from hipgraph_bridge.generation.device_loop import EosIds
-from hipgraph_bridge.generation.sampling import (SamplingParams, draw, filter_scores, filter_tensors, seed_key,
-                                                 uniform)
+from hipgraph_bridge.generation.sampling import (SamplingParams, draw, filter_flags, filter_scores, filter_tensors,
+                                                 seed_key, uniform)
 
 __all__ = ["compile_config", "StaticCacheDecoder"]
 
@@ -95,7 +97,13 @@ def _check_causal_lm(model: Any) -> None:
 @dataclass
 class _Slot:
     """What one batch size owns: its cache, the step over it, and (with graphs) the step's zero-copy inputs
-    or (with ``device_loop``) the decode loop over it."""
+    or (with ``device_loop``) the decode loop over it.
+
+    Left-padded batches: ``mask`` is the padding mask every decode step reads (``(batch, max_cache_len)``
+    bool, written per generation: a row's padding False, the rest True; the causal mask hides what lies
+    past the current position) and ``pads`` each row's padding length (the loop's step adds it to a
+    row's position to get the cache position). Without a device loop the step with a mask is a graph
+    of its own (``ragged_pool``/``ragged_io``), made at the first ragged generation."""
 
     cache: Any
     step: Any
@@ -103,6 +111,10 @@ class _Slot:
     io: Any  # a StaticIO, or None without graphs
     capture_seconds: float
     loop: DeviceDecodeLoop | None = None
+    mask: torch.Tensor | None = None
+    pads: torch.Tensor | None = None
+    ragged_pool: ShapeBucketPool | None = None
+    ragged_io: Any = None
 
 
 class StaticCacheDecoder:
@@ -172,9 +184,10 @@ class StaticCacheDecoder:
             raise ValueError(f"batch size: expected an int >= 1, got {batch!r}")
         cache, model, dev = self._new_cache(batch), self.model, self.device
 
-        def step(ids: torch.Tensor, pos: torch.Tensor, cp: torch.Tensor) -> torch.Tensor:
-            logits = model(input_ids=ids, position_ids=pos, cache_position=cp, past_key_values=cache,
-                           use_cache=True).logits
+        def step(ids: torch.Tensor, pos: torch.Tensor, cp: torch.Tensor,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
+            logits = model(input_ids=ids, position_ids=pos, cache_position=cp, attention_mask=mask,
+                           past_key_values=cache, use_cache=True).logits
             return logits[:, -1, :]  # the token is chosen outside the graph: greedy or sampled
 
         with torch.no_grad():  # the cache's tensors exist after a first write: a prefill of one token
@@ -193,15 +206,25 @@ class StaticCacheDecoder:
                 pool.close()
             seconds = time.perf_counter() - t0
         io = pool.static_io(batch) if self.graphs else None
-        slot = self._slots[batch] = _Slot(cache, step, pool, io, seconds)
+        slot = self._slots[batch] = _Slot(cache, step, pool, io, seconds, mask=self._new_mask(batch))
         return slot
+
+    def _new_mask(self, batch: int) -> torch.Tensor:
+        return torch.ones(batch, self.max_cache_len, dtype=torch.bool, device=self.device)
 
     def _loop_slot(self, batch: int, cache: Any) -> _Slot:
         model = self.model
+        mask = self._new_mask(batch)
+        pads = torch.zeros(batch, dtype=torch.long, device=self.device)
 
         def step(tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-            logits = model(input_ids=tokens.view(batch, 1), position_ids=position.view(1, 1).expand(batch, 1),
-                           cache_position=position.view(1), past_key_values=cache, use_cache=True).logits
+            if position.dim() == 0:  # every row at one position: no padding, no mask
+                logits = model(input_ids=tokens.view(batch, 1), position_ids=position.view(1, 1).expand(batch, 1),
+                               cache_position=position.view(1), past_key_values=cache, use_cache=True).logits
+            else:  # left-padded rows: (batch,) positions; the cache position is a row's plus its padding
+                logits = model(input_ids=tokens.view(batch, 1), position_ids=position.view(batch, 1),
+                               cache_position=torch.add(position[:1], pads[:1]), attention_mask=mask,
+                               past_key_values=cache, use_cache=True).logits
             return logits[:, -1, :]  # the loop chooses the token: greedy, or sampled in its body
 
         assert self.device_loop is not None
@@ -210,11 +233,27 @@ class StaticCacheDecoder:
         t0 = time.perf_counter()
         cache.reset()  # the warm-ups write from position 0 (after the one-token prefill they could pass a short cache)
         loop.capture()  # runs the step: generate() resets the cache
-        return _Slot(cache, step, None, None, time.perf_counter() - t0, loop)
+        return _Slot(cache, step, None, None, time.perf_counter() - t0, loop, mask=mask, pads=pads)
 
-    def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token_id: EosIds | object = FROM_CONFIG,
-                 pad_token_id: int | None = None, do_sample: bool = False, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> torch.Tensor:
+    def _ragged_io(self, slot: _Slot, batch: int) -> Any:
+        """The zero-copy inputs of the step graph with a padding mask (made, and its capture run, at the
+        first ragged generation of this batch size; the caller resets the cache afterwards)."""
+        if slot.ragged_io is None:
+            dev = self.device
+            pool = ShapeBucketPool(slot.step, [batch], static_args=[2], stateful=True, copy_outputs=False,
+                                   progress=False)
+            example = (torch.zeros(batch, 1, dtype=torch.long, device=dev),
+                       torch.ones(batch, 1, dtype=torch.long, device=dev),
+                       torch.ones(1, dtype=torch.long, device=dev), self._new_mask(batch))
+            slot.cache.reset()  # the capture's runs write from position 0, within the cache
+            pool.capture_all(*example)
+            slot.ragged_pool, slot.ragged_io = pool, pool.static_io(batch)
+        return slot.ragged_io
+
+    def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, attention_mask: torch.Tensor | None = None,
+                 eos_token_id: EosIds | object = FROM_CONFIG, pad_token_id: int | None = None,
+                 do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, seed: int | None = None) -> torch.Tensor:
         """Tokens after the prompt, shape ``(batch, n)`` with ``n <= max_new_tokens``: greedy, or sampled.
 
         ``do_sample=True`` draws each token as transformers' ``generate(do_sample=True)``
@@ -225,9 +264,12 @@ class StaticCacheDecoder:
         device loop, for any ``device_loop`` chunk and strategy. The stream is not
         PyTorch's generator: the tokens differ from transformers' for the same seed.
 
-        Every row's prompt is ``n`` real tokens (no padding, no attention mask:
-        batch prompts of equal length; left-padded prompts would differ from
-        ``generate()``, which masks the padding). As ``generate(do_sample=False)`` does: a sequence that produced
+        Prompts of different lengths come left-padded with an ``attention_mask``
+        (``(batch, n)``, 1 for a real token, 0 for padding; each row's zeros before its
+        ones), as ``generate()`` takes them and does with them: a row's positions count
+        its real tokens only (``attention_mask.cumsum(-1) - 1``), its padding is masked
+        out of every attention, and its stream positions for sampling are its own. A
+        mask of all ones (or none) is the unpadded batch. As ``generate(do_sample=False)`` does: a sequence that produced
         an EOS id gets ``pad_token_id`` (default: the first EOS id) from then on,
         and decoding stops when every sequence has ended. The host reads one
         flag per token for that (as transformers does); without an EOS id it reads nothing.
@@ -257,9 +299,10 @@ class StaticCacheDecoder:
             raise ValueError(f"pad_token_id: expected None or an int >= 0, got {pad_token_id!r}")
         params = SamplingParams(do_sample, temperature, top_k, top_p, seed)
         params = params.with_seed() if do_sample else params
+        mask = _left_padding(attention_mask, input_ids)
         slot = self._slot(b)
         with torch.no_grad():
-            return self._decode(slot, input_ids, max_new_tokens, eos,
+            return self._decode(slot, input_ids, mask, max_new_tokens, eos,
                                 (eos[0] if eos else None) if pad_token_id is None else pad_token_id, params)
 
     def _eos_ids(self, eos_token_id: Any) -> tuple[int, ...]:
@@ -272,41 +315,63 @@ class StaticCacheDecoder:
             return check_token_ids("model.generation_config.eos_token_id", eos_token_id)
         return () if eos_token_id is None else check_token_ids("eos_token_id", eos_token_id)
 
-    def _decode(self, slot: _Slot, input_ids: torch.Tensor, new: int, eos_ids: tuple[int, ...],
-                pad: int | None, params: SamplingParams) -> torch.Tensor:
+    def _decode(self, slot: _Slot, input_ids: torch.Tensor, mask: torch.Tensor | None, new: int,
+                eos_ids: tuple[int, ...], pad: int | None, params: SamplingParams) -> torch.Tensor:
         b, n = input_ids.shape
-        if slot.loop is not None and not slot.loop.captured_for(params.do_sample):
+        ragged = mask is not None
+        kind = dict(top_k=params.top_k, top_p=params.top_p, ragged=ragged)
+        if slot.loop is not None and not slot.loop.captured_for(params.do_sample, **kind):
             # the loop's body for this kind of generation: its warm-ups write the cache, so on an empty one
             # (a full earlier generation would put them past its end), reset again below
             slot.cache.reset()
-            slot.loop.capture(do_sample=params.do_sample)
+            slot.loop.capture(do_sample=params.do_sample, **kind)
+        if ragged and slot.loop is None and slot.io is not None:
+            self._ragged_io(slot, b)  # its capture writes the cache: reset below
         slot.cache.reset()  # whatever capture, warm-up or an earlier generation wrote
-        logits = self.model(input_ids=input_ids, cache_position=torch.arange(n, device=input_ids.device),
-                            past_key_values=slot.cache, use_cache=True).logits
-        rows = torch.arange(b, device=input_ids.device)
+        dev = input_ids.device
+        if ragged:  # as generate() prepares a left-padded batch
+            assert mask is not None and slot.mask is not None
+            position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+            slot.mask[:, :n].copy_(mask)
+            slot.mask[:, n:] = True  # the tokens to come; the causal mask hides those past the current one
+            if slot.pads is not None:
+                slot.pads.copy_(n - mask.long().sum(-1))
+            logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                                cache_position=torch.arange(n, device=dev), past_key_values=slot.cache,
+                                use_cache=True).logits
+            last = position_ids[:, -1]  # each row's last prompt position
+        else:
+            logits = self.model(input_ids=input_ids, cache_position=torch.arange(n, device=dev),
+                                past_key_values=slot.cache, use_cache=True).logits
+            last = torch.full((b,), n - 1, dtype=torch.long, device=dev)
+        rows = torch.arange(b, device=dev)
         if params.do_sample:  # the settings on the device once: no host-to-device copy per token
-            settings = filter_tensors(params.temperature, params.top_k, params.top_p, logits.shape[-1], rows.device)
-            key = seed_key(params.seed or 0, rows.device)
+            settings = filter_tensors(params.temperature, params.top_k, params.top_p, logits.shape[-1], dev)
+            use_top_k, use_top_p = filter_flags(params.top_k, params.top_p)
+            key = seed_key(params.seed or 0, dev)
 
-        def choose(scores: torch.Tensor, pos: int) -> torch.Tensor:  # the token after position pos
+        def choose(scores: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:  # the token after (b,) positions pos
             if not params.do_sample:
                 return scores.argmax(dim=-1)
-            u = uniform(key, rows, torch.full((b,), pos, dtype=torch.long, device=rows.device))
-            return draw(filter_scores(scores, *settings), u)
+            filtered = filter_scores(scores, *settings, use_top_k=use_top_k, use_top_p=use_top_p)
+            return draw(filtered, uniform(key, rows, pos))
 
-        tok = choose(logits[:, -1, :], n - 1)
-        unfinished = torch.ones(b, dtype=torch.bool, device=input_ids.device)
+        tok = choose(logits[:, -1, :], last)
+        unfinished = torch.ones(b, dtype=torch.bool, device=dev)
         ends = bool(eos_ids)  # without an EOS id nothing ends: no pad id, no mask, no host read
-        eos = torch.tensor(eos_ids, dtype=torch.long, device=input_ids.device)
+        eos = torch.tensor(eos_ids, dtype=torch.long, device=dev)
         if slot.loop is not None:  # the prefill's token on the host side, the rest in launches of the loop
             if ends:
                 unfinished &= ~torch.isin(tok, eos)
-            rest = slot.loop.generate(tok, n, max_new_tokens=new - 1, eos_token_id=list(eos_ids) if ends else None,
+            rest = slot.loop.generate(tok, last + 1 if ragged else n, max_new_tokens=new - 1,
+                                      eos_token_id=list(eos_ids) if ends else None,
                                       pad_token_id=pad if ends else None, unfinished=unfinished if ends else None,
                                       do_sample=params.do_sample, temperature=params.temperature,
                                       top_k=params.top_k, top_p=params.top_p, seed=params.seed)
             return torch.cat([tok.view(b, 1), rest], dim=1)
-        out = torch.empty(b, new, dtype=torch.long, device=input_ids.device)
+        if ragged and slot.io is not None:
+            slot.ragged_io.args[3].copy_(slot.mask)  # the graph's own mask input, once per generation
+        out = torch.empty(b, new, dtype=torch.long, device=dev)
         for i in range(new):
             if ends:
                 tok = torch.where(unfinished, tok, pad)
@@ -314,17 +379,47 @@ class StaticCacheDecoder:
             out[:, i] = tok
             if i == new - 1 or (ends and not bool(unfinished.any())):
                 return out[:, :i + 1]
-            tok = choose(self._step(slot, tok, n + i), n + i)
+            tok = choose(self._step(slot, tok, last + 1 + i, n + i, ragged), last + 1 + i)
         return out
 
-    def _step(self, slot: _Slot, tok: torch.Tensor, pos: int) -> torch.Tensor:
-        """The logits after ``tok`` at position ``pos``: the graph, written into zero-copy."""
-        if slot.io is None:
-            b = tok.shape[0]
-            return slot.step(tok.view(b, 1), torch.full((b, 1), pos, dtype=torch.long, device=tok.device),
-                             torch.full((1,), pos, dtype=torch.long, device=tok.device))
-        ids, position_ids, cache_position = slot.io.args
+    def _step(self, slot: _Slot, tok: torch.Tensor, pos: torch.Tensor, cache_pos: int, ragged: bool) -> torch.Tensor:
+        """The logits after ``tok`` at the rows' positions ``pos`` (``(batch,)``; cache position
+        ``cache_pos``): the graph, written into zero-copy."""
+        b = tok.shape[0]
+        io = slot.ragged_io if ragged else slot.io
+        if io is None:
+            return slot.step(tok.view(b, 1), pos.view(b, 1), torch.full((1,), cache_pos, dtype=torch.long,
+                                                                        device=tok.device),
+                             slot.mask if ragged else None)
+        ids, position_ids, cache_position = io.args[:3]
         ids.copy_(tok.view(-1, 1))
-        position_ids.fill_(pos)
-        cache_position.fill_(pos)
-        return slot.io.run()  # overwritten by the next step: the token chosen from it is a new tensor
+        position_ids.copy_(pos.view(-1, 1))
+        cache_position.fill_(cache_pos)
+        return io.run()  # overwritten by the next step: the token chosen from it is a new tensor
+
+
+def _left_padding(attention_mask: Any, input_ids: torch.Tensor) -> torch.Tensor | None:
+    """The padding mask of a left-padded batch as a bool tensor on the prompt's device, or None where
+    no token is padding (the unpadded path). Raises ``ValueError`` for anything else: a mask of another
+    shape, values other than 0 and 1, padding that is not on the left, or a row without a real token."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(input_ids.shape) \
+            or attention_mask.is_floating_point() or attention_mask.is_complex():
+        got = (f"shape {tuple(attention_mask.shape)}, dtype {attention_mask.dtype}"
+               if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__)
+        raise ValueError(f"attention_mask: expected a {tuple(input_ids.shape)} tensor of 0/1 (integer or bool) like "
+                         f"input_ids, got {got}")
+    mask = attention_mask.to(device=input_ids.device)
+    # one host read per generation (transformers' generate() reads the mask too)
+    ok_values, left, nonempty, full = (bool(x) for x in torch.stack([
+        ((mask == 0) | (mask == 1)).all(), (mask[:, 1:] >= mask[:, :-1]).all(), (mask[:, -1] == 1).all(),
+        (mask == 1).all()]).tolist())
+    if not ok_values:
+        raise ValueError("attention_mask: expected 0 (padding) and 1 (a real token) only")
+    if not left:
+        raise ValueError("attention_mask: expected left padding (each row's zeros before its ones, as decoder-only "
+                         "generation needs: pad with tokenizer.padding_side = 'left')")
+    if not nonempty:
+        raise ValueError("attention_mask: expected at least one real token in every row")
+    return None if full else mask.bool()

@@ -14,12 +14,29 @@ Modes, interleaved round by round (median of the rounds), each over its own cach
 * ``device K``: ``StaticCacheDecoder(device_loop=K)``, K = 16, 64, 256 (a WHILE node: one
   launch and one host read per K tokens).
 
+* ``device K=64 sample t=0.8`` and ``device K=64 sample top-k 50 top-p 0.9``: the device loop
+  drawing tokens (plain temperature sampling: no sort; transformers' usual filters: two
+  full-vocabulary sorts per token), the random numbers from the fused Triton kernel.
+
 Each figure is tokens/s of a whole generation (prefill included, the same in every mode).
 Tokens are compared with eager's (equal, the share of equal tokens, the first step that
 differs); with random bf16 weights near-tied logits can flip under a graph's kernel choices,
 so the hand-written graph's agreement is the reference for the others'. Targets (issue 18): the best device loop >= 1.15x the best
 per-token graph loop (hand-written or pool) on the small model at batch 1, >= 1.0x on the
-1.5B model; tokens identical.
+1.5B model; tokens identical. Issue 26: sampling costs <= 5% per token over greedy at batch 1
+(device loop K=64, tokens/s of greedy / of sampling <= 1.05).
+
+The loop against the step's own speed (issue 26, ``step_time``): after a prefill, the
+device loop (K=256) decodes 255 tokens in one launch, timed with CUDA events, greedy and with
+each sampling setting; the hand-written step graph (the model's step and its argmax, nothing
+else) is replayed 255 times back to back with no host read between the same kind of events.
+Target: per token, the loop <= 1.03x the step graph, at batch 1 and 4 on both models.
+
+transformers' own ``generate()`` (``hf_generate``, the small model, batch 1/4/16, 256 new
+tokens, no EOS): with its default compile (``cache_implementation="static"``: reduce-overhead)
+and with ``compile_config=gfxgraph.hf.compile_config()``, beside ``StaticCacheDecoder
+(device_loop=64)`` on the same model in the same run. Each one's first call per batch size
+compiles or captures and is not timed (its seconds are reported). Reported, no target.
 """
 
 from __future__ import annotations
@@ -30,11 +47,15 @@ from typing import Any
 
 import torch
 
-from gfxgraph.hf import StaticCacheDecoder
+from gfxgraph.hf import StaticCacheDecoder, compile_config
 from gfxgraph.suites._common import figure, parser, timed, write
 from gfxgraph.suites.llm_decode import CONFIGS, HandCaptured, build_model, make_step, new_cache, prefill
 
 PROMPT, NEW, CHUNKS = 16, 256, (16, 64, 256)
+SAMPLING = {"sample t=0.8": dict(do_sample=True, temperature=0.8, seed=1),
+            "sample top-k 50 top-p 0.9": dict(do_sample=True, temperature=0.8, top_k=50, top_p=0.9, seed=1)}
+SAMPLE_K = 64  # the device loop's chunk for the sampling modes (and their greedy reference)
+HF_BATCHES = (1, 4, 16)
 
 
 class HandLoop:
@@ -73,7 +94,14 @@ def _modes(model: Any, b: int, max_len: int) -> dict[str, Any]:
                              "pool": StaticCacheDecoder(model, max_cache_len=max_len)}
     for k in CHUNKS:
         modes[f"device K={k}"] = StaticCacheDecoder(model, max_cache_len=max_len, device_loop=k)
+    for label in SAMPLING:  # a decoder each: one body per filter set (a shared one would recapture per call)
+        modes[f"device K={SAMPLE_K} {label}"] = StaticCacheDecoder(model, max_cache_len=max_len, device_loop=SAMPLE_K)
     return modes
+
+
+def _settings(label: str) -> dict[str, Any]:
+    """The generate() keywords of a mode: a sampling mode's settings, none for the greedy ones."""
+    return next((kw for name, kw in SAMPLING.items() if label.endswith(name)), {})
 
 
 def run_case(model: Any, b: int, rounds: int) -> dict[str, Any]:
@@ -87,6 +115,8 @@ def run_case(model: Any, b: int, rounds: int) -> dict[str, Any]:
             t0 = time.perf_counter()
             if isinstance(m, StaticCacheDecoder):
                 m.capture(b)
+                if _settings(label):  # the sampling body (and the Triton kernel) before the timed runs
+                    m.generate(ids, max_new_tokens=2, eos_token_id=None, **_settings(label))
             capture[label] = time.perf_counter() - t0
         ref = modes["eager"].generate(ids, max_new_tokens=NEW, eos_token_id=None)
         used = set(ref.flatten().tolist())
@@ -97,7 +127,8 @@ def run_case(model: Any, b: int, rounds: int) -> dict[str, Any]:
         for r in range(rounds):
             for label in (labels if r % 2 == 0 else labels[::-1]):
                 seconds, tokens[label] = timed(lambda: modes[label].generate(ids, max_new_tokens=NEW,
-                                                                               eos_token_id=eos))
+                                                                               eos_token_id=eos,
+                                                                               **_settings(label)))
                 times[label].append(seconds)
     res = {}
     for label in modes:
@@ -106,6 +137,85 @@ def run_case(model: Any, b: int, rounds: int) -> dict[str, Any]:
                       "new_tokens": made,
                       "capture_s": capture[label], **compare(tokens[label], ref)}
     res["eos_token_id"] = eos
+    with torch.no_grad():
+        res["step_time"] = step_time(modes, ids, b)
+    return res
+
+
+def _loop_ms_per_token(dec: StaticCacheDecoder, ids: torch.Tensor, b: int, settings: dict[str, Any]) -> float:
+    """GPU milliseconds per token of the device loop alone: after the decoder's prefill (a generation of one
+    token), 255 tokens in one launch of K=256, no EOS, between two CUDA events."""
+    first = dec.generate(ids, max_new_tokens=1, eos_token_id=None, **settings)[:, 0]
+    loop = dec._slots[b].loop  # noqa: SLF001 - the suite times the loop without the decoder's prefill
+    assert loop is not None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = loop.generate(first, ids.shape[1], max_new_tokens=NEW - 1, **settings)
+    end.record()
+    torch.cuda.synchronize()
+    assert out.shape[1] == NEW - 1
+    return start.elapsed_time(end) / (NEW - 1)
+
+
+def _graph_ms_per_step(hand: HandLoop, ids: torch.Tensor) -> float:
+    """GPU milliseconds per replay of the hand-written step graph, replayed back to back with no host read."""
+    hand.cache.reset()
+    prefill(hand.model, hand.cache, ids)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(NEW - 1):
+        hand.graph.g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (NEW - 1)
+
+
+def step_time(modes: dict[str, Any], ids: torch.Tensor, b: int, repeats: int = 3) -> dict[str, Any]:
+    """The device loop's time per token (greedy and each sampling setting) against the step graph's own."""
+    dec = StaticCacheDecoder(modes["eager"].model, max_cache_len=PROMPT + NEW + 8, device_loop=256)
+    graph = statistics.median(_graph_ms_per_step(modes["hand-written graph"], ids) for _ in range(repeats))
+    res: dict[str, Any] = {"step_graph_ms": graph}
+    for label, settings in {"greedy": {}, **SAMPLING}.items():
+        # this kind's body captured (and the Triton kernel loaded) untimed; one decoder, a body at a time
+        dec.generate(ids, max_new_tokens=2, eos_token_id=None, **settings)
+        ms = statistics.median(_loop_ms_per_token(dec, ids, b, settings) for _ in range(repeats))
+        res[label] = {"loop_ms_per_token": ms, "ratio_to_step_graph": ms / graph}
+    return res
+
+
+def hf_generate(model: Any, batches: tuple[int, ...], rounds: int) -> dict[str, Any]:
+    """transformers' generate() with its default compile and with gfxgraph's compile_config, and the device
+    loop, at each batch size: tokens/s of 256 new tokens (no EOS), and each one's first-call seconds."""
+    contenders: dict[str, Any] = {
+        "generate() default compile (reduce-overhead)": dict(cache_implementation="static"),
+        "generate() gfxgraph.hf.compile_config()": dict(cache_implementation="static",
+                                                        compile_config=compile_config()),
+    }
+    res: dict[str, Any] = {}
+    for label, kw in contenders.items():
+        torch.compiler.reset()  # each contender compiles from scratch, as in a fresh process
+        for b in batches:
+            ids = torch.randint(0, model.config.vocab_size, (b, PROMPT), device="cuda",
+                                generator=torch.Generator("cuda").manual_seed(b))
+
+            def run() -> torch.Tensor:
+                with torch.no_grad():
+                    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                                          min_new_tokens=NEW, do_sample=False, pad_token_id=0, **kw)
+
+            first, _ = timed(run)
+            times = [timed(run)[0] for _ in range(rounds)]
+            res.setdefault(f"bs{b}", {})[label] = {"tokens_per_s": b * NEW / statistics.median(times),
+                                                  "first_call_s": first, "seconds": times}
+    torch.compiler.reset()
+    for b in batches:
+        ids = torch.randint(0, model.config.vocab_size, (b, PROMPT), device="cuda",
+                            generator=torch.Generator("cuda").manual_seed(b))
+        dec = StaticCacheDecoder(model, max_cache_len=PROMPT + NEW + 8, device_loop=64)
+        first, _ = timed(lambda: dec.generate(ids, max_new_tokens=NEW, eos_token_id=None))
+        times = [timed(lambda: dec.generate(ids, max_new_tokens=NEW, eos_token_id=None))[0] for _ in range(rounds)]
+        res[f"bs{b}"]["StaticCacheDecoder(device_loop=64)"] = {"tokens_per_s": b * NEW / statistics.median(times),
+                                                              "first_call_s": first, "seconds": times}
     return res
 
 
@@ -119,31 +229,57 @@ def compare(got: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
 
 
 def case_figures(name: str, b: int, r: dict[str, Any]) -> list[dict[str, Any]]:
-    labels = [k for k in r if k != "eos_token_id"]
+    labels = [k for k, v in r.items() if isinstance(v, dict) and "tokens_per_s" in v]
+    greedy_labels = [k for k in labels if not _settings(k)]
     figs = [figure(f"{name} bs {b} {k} tokens/s", r[k]["tokens_per_s"], None, None, "tok/s",
                    note=f"tokens equal to eager's: {r[k]['tokens_equal_eager']} (agreement {r[k]['agreement']:.3f}, "
-                        f"first step that differs: {r[k]['first_divergence']})") for k in labels]
+                        f"first step that differs: {r[k]['first_divergence']})" if k in greedy_labels else
+                   f"sampled ({_settings(k)}): eager's greedy tokens are not its reference; "
+                   f"{r[k]['new_tokens']} tokens made") for k in labels]
     per_token = max(r["hand-written graph"]["tokens_per_s"], r["pool"]["tokens_per_s"])
-    best_k = max((k for k in labels if k.startswith("device")), key=lambda k: r[k]["tokens_per_s"])
+    best_k = max((k for k in greedy_labels if k.startswith("device")), key=lambda k: r[k]["tokens_per_s"])
     ratio = r[best_k]["tokens_per_s"] / per_token
     target = 1.15 if name == "llama-small" and b == 1 else (1.0 if name != "llama-small" else None)
     figs.append(figure(f"{name} bs {b} best device loop ({best_k}) / best per-token graph loop", ratio,
                        None if target is None else f">= {target}", None if target is None else ratio >= target))
-    loops = [k for k in labels if k.startswith("device")]
+    loops = [k for k in greedy_labels if k.startswith("device")]
     same = all(r[k]["tokens_equal_eager"] for k in loops)
     hand = r["hand-written graph"]["tokens_equal_eager"]
     figs.append(figure(f"{name} bs {b} device loops' tokens equal eager's", float(same), "== 1", same,
                        note="the hand-written torch.cuda.CUDAGraph loop's tokens equal eager's too: "
                             f"{hand} (bf16 random weights: near-tied logits flip under other kernel choices)"))
+    greedy = r[f"device K={SAMPLE_K}"]["tokens_per_s"]
+    for label in SAMPLING:
+        ratio = greedy / r[f"device K={SAMPLE_K} {label}"]["tokens_per_s"]
+        target = "<= 1.05" if b == 1 else None
+        figs.append(figure(f"{name} bs {b} device K={SAMPLE_K}: per-token time, {label} / greedy", ratio, target,
+                           None if target is None else ratio <= 1.05,
+                           note="tokens/s of greedy over tokens/s of sampling, whole generations"))
+    st = r["step_time"]
+    for label in ("greedy", *SAMPLING):
+        ratio = st[label]["ratio_to_step_graph"]
+        figs.append(figure(f"{name} bs {b} device loop K=256 {label}: GPU ms per token / step graph replayed "
+                           "back to back", ratio, "<= 1.03", ratio <= 1.03,
+                           note=f"loop {st[label]['loop_ms_per_token']:.4f} ms, step graph "
+                                f"{st['step_graph_ms']:.4f} ms per token (CUDA events)"))
     return figs
+
+
+def hf_figures(name: str, res: dict[str, Any]) -> list[dict[str, Any]]:
+    return [figure(f"{name} {case.replace('bs', 'bs ')} {label} tokens/s", v["tokens_per_s"], None, None, "tok/s",
+                   note=f"first call (compile/capture) {v['first_call_s']:.1f} s")
+            for case, r in res.items() for label, v in r.items()]
 
 
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--models", default="llama-small,llama-1.2b")
+    p.add_argument("--hf-models", default="llama-small",
+                   help="models for transformers' generate() comparison (comma-separated; empty: none)")
     args = p.parse_args()
     rounds = 2 if args.quick else 5
     results: dict[str, Any] = {}
+    hf_results: dict[str, Any] = {}
     figures: list[dict[str, Any]] = []
     for name in args.models.split(","):
         model = build_model(name)
@@ -152,12 +288,17 @@ def main() -> None:
             results[f"{name} bs{b}"] = r
             figures += case_figures(name, b, r)
             print(f"{name} bs {b}: " + ", ".join(f"{k} {v['tokens_per_s']:.0f}" for k, v in r.items()
-                                                 if isinstance(v, dict)), flush=True)
+                                                 if isinstance(v, dict) and "tokens_per_s" in v), flush=True)
+        if name in [m for m in args.hf_models.split(",") if m]:
+            hf = hf_generate(model, HF_BATCHES[:1] if args.quick else HF_BATCHES, 1 if args.quick else 2)
+            hf_results[name] = hf
+            figures += hf_figures(name, hf)
         del model
         torch.cuda.empty_cache()
     write(args.out, "device_generate", figures, {"method": __doc__, "quick": args.quick, "rounds": rounds,
                                                  "prompt": PROMPT, "new_tokens": NEW, "configs": CONFIGS,
-                                                 "results": results})
+                                                 "sampling": SAMPLING, "results": results,
+                                                 "hf_generate": hf_results})
 
 
 if __name__ == "__main__":

@@ -46,12 +46,26 @@ being the loop's device tensor. A seed therefore gives the same tokens
 whatever the chunk size and the strategy. The settings live in device buffers
 written per generation; greedy and sampling bodies are captured separately
 (switching recaptures the loop), so greedy decoding pays nothing for sampling.
+The same holds for the filters: a body is captured for the filters that are on
+(top-k, top-p), so plain temperature sampling runs neither full-vocabulary sort;
+changing a filter's value needs no capture, turning one on or off does. On a
+GPU the random numbers come from one Triton kernel (:mod:`._philox_triton`,
+compiled and loaded before the capture), the same bits as the torch reference.
+
+Ragged batches: ``position`` may be one position per sequence, a ``(batch_size,)``
+tensor (left-padded prompts of different lengths); the step then receives a
+``(batch_size,)`` position tensor, every entry advancing by one per step, and
+sequence ``i``'s random numbers are indexed by its own position. The loop keeps
+a step counter (what the fused WHILE step advances) and adds the per-sequence
+offsets to it in the body: one small kernel per step. A ragged body is captured
+apart from a scalar one, as a sampling body is.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -62,13 +76,36 @@ from ..conditional.kernels import DECODE_STEP_MAX_BATCH, MAX_EOS_IDS
 from ..conditional.loop import LOOP_STRATEGIES
 from ..conditional.native_nodes import NativeConditional
 from ..tree import describe
-from .sampling import SamplingParams, draw, filter_scores, seed_key, uniform
+from .sampling import SamplingParams, draw, filter_flags, filter_scores, prepare_fused, seed_key, uniform
+
+__all__ = ["DeviceDecodeLoop", "BodyKind"]
 
 EosIds = int | Sequence[int] | torch.Tensor | None
 """An EOS id as transformers takes it: an int, a list or tuple of ints, an integer tensor (or None)."""
 
+Position = int | torch.Tensor
+"""Where a generation starts: an int or a 0-dim integer tensor (every sequence), or a ``(batch_size,)``
+integer tensor (one position per sequence: left-padded prompts of different lengths)."""
 
-__all__ = ["DeviceDecodeLoop"]
+
+@dataclass(frozen=True)
+class BodyKind:
+    """What a captured body does, fixed on the host when it is captured (a generation of another kind
+    captures the loop again; the values of the settings live in device buffers and need no capture).
+
+    ``sampling``: draw (else argmax); ``top_k``/``top_p``: that filter is on (sampling only: it may
+    remove tokens, so its sort over the vocabulary runs); ``ragged``: one position per sequence."""
+
+    sampling: bool = False
+    top_k: bool = False
+    top_p: bool = False
+    ragged: bool = False
+
+    @classmethod
+    def of(cls, do_sample: bool, top_k: int | None, top_p: float | None, ragged: bool) -> BodyKind:
+        use_k, use_p = filter_flags(top_k, top_p) if do_sample else (False, False)
+        return cls(do_sample, use_k, use_p, ragged)
+
 
 _IDS_ONLY = ("do_sample=True: expected a step that returns (batch_size, vocab) logits; this step returns token "
              "ids (greedy only)")
@@ -82,7 +119,8 @@ class DeviceDecodeLoop:
     Args:
         step: ``step(tokens, position) -> next_tokens``: ``tokens`` a ``(batch_size,)`` long
             tensor (the last token of each sequence), ``position`` a 0-dim long tensor (its
-            position, the same for every sequence); returns ``(batch_size,)`` integer token ids,
+            position, the same for every sequence) or, in a generation given one position per
+            sequence, a ``(batch_size,)`` long tensor; returns ``(batch_size,)`` integer token ids,
             or ``(batch_size, vocab)`` floating logits (the loop then chooses: greedy or sampled).
         batch_size: the number of sequences (fixed: the loop's buffers are static).
         chunk: the most steps one launch runs (the cap of the WHILE loop).
@@ -90,7 +128,7 @@ class DeviceDecodeLoop:
         strategy: ``"auto"``, ``"native"`` or ``"host"`` (see :class:`DeviceWhileLoop`).
         warmup_iters: eager runs of the step before capture.
 
-    Memory: the buffers are ``batch_size * (chunk + 2)`` longs and a few scalars; the
+    Memory: the buffers are ``batch_size * (chunk + 4)`` longs and a few scalars; the
     step's own allocations live in the loop graph's pool for its lifetime. Launches
     are serialised by a lock; one generation runs at a time (a new one ends the last).
     """
@@ -129,7 +167,11 @@ class DeviceDecodeLoop:
         self._top_k = torch.zeros((), **long)
         self._top_p_cut = torch.full((), -1.0, dtype=torch.float32, device=dev)
         self._sequences = torch.arange(batch_size, **long)
-        self._sampling = False  # the body captured (or to capture) samples
+        # ragged generations: each sequence's position is the step counter plus its offset (written per
+        # generation); the sum goes to a static buffer the step reads
+        self._offsets = torch.zeros(batch_size, **long)
+        self._row_position = torch.zeros(batch_size, **long)
+        self._kind = BodyKind()  # the body captured (or to capture)
         self.returns_logits: bool | None = None  # what the step returned at the capture (None before it)
         self._lock = threading.Lock()
         self._generation = 0  # which chunks() iterator may launch
@@ -143,15 +185,23 @@ class DeviceDecodeLoop:
     def strategy_reason(self) -> str:
         return self._loop.strategy_reason
 
+    @property
+    def _sampling(self) -> bool:
+        return self._kind.sampling
+
     def _body(self, tokens: torch.Tensor, position: torch.Tensor, out: torch.Tensor, control: torch.Tensor,
               unfinished: torch.Tensor, go: torch.Tensor) -> None:
-        nxt = self.step(tokens, position)
+        kind = self._kind
+        # (B,) per-sequence positions, or the 0-dim counter shared by every sequence
+        pos = torch.add(self._offsets, position, out=self._row_position) if kind.ragged else position
+        nxt = self.step(tokens, pos)
         if isinstance(nxt, torch.Tensor) and nxt.is_floating_point() and nxt.dim() == 2 \
                 and nxt.shape[0] == self.batch_size:
             self.returns_logits = True
-            if self._sampling:
-                scores = filter_scores(nxt, self._temperature, self._top_k, self._top_p_cut)
-                nxt = draw(scores, uniform(self._key, self._sequences, position))
+            if kind.sampling:
+                scores = filter_scores(nxt, self._temperature, self._top_k, self._top_p_cut,
+                                       use_top_k=kind.top_k, use_top_p=kind.top_p)
+                nxt = draw(scores, uniform(self._key, self._sequences, pos))
             else:
                 nxt = nxt.argmax(dim=-1)
         elif not isinstance(nxt, torch.Tensor) or nxt.numel() != self.batch_size or nxt.is_floating_point():
@@ -159,7 +209,7 @@ class DeviceDecodeLoop:
                             f"logits, got {describe(nxt)}")
         else:
             self.returns_logits = False
-            if self._sampling:
+            if kind.sampling:
                 raise ValueError(_IDS_ONLY)
         if self._fused and self._loop.strategy == "native":  # the bookkeeping is the WHILE step's kernel
             self._nxt = nxt.reshape(self.batch_size).long().contiguous()
@@ -186,21 +236,28 @@ class DeviceDecodeLoop:
         native.launch_decode_step(handle, nxt=self._nxt, tokens=tokens, out=out, control=control,
                                   position=position, unfinished=unfinished, eos_pad=self._eos_pad)
 
-    def capture(self, *, do_sample: bool = False) -> None:
-        """Capture the loop now for greedy or sampled generations (otherwise the first generation does,
-        at its own tokens and position; a generation of the other kind captures again). It runs the
-        step ``warmup_iters`` times (twice per stream on the native path), so a step whose state
+    def capture(self, *, do_sample: bool = False, top_k: int | None = None, top_p: float | None = None,
+                ragged: bool = False) -> None:
+        """Capture the loop now for one kind of generation (otherwise the first generation does, at its
+        own tokens and position; a generation of another kind captures again): greedy or sampled,
+        with the top-k and top-p filters on where ``top_k``/``top_p`` say so (their values are set
+        per generation), and one position per sequence with ``ragged=True``. It runs the step
+        ``warmup_iters`` times (twice per stream on the native path), so a step whose state
         advances on every run (transformers 5's ``StaticCache`` keeps its own write position) must
         have it reset afterwards: capture first, then reset and prefill."""
-        if not isinstance(do_sample, bool):
-            raise TypeError(f"do_sample: expected a bool, got {do_sample!r}")
+        for name, flag in (("do_sample", do_sample), ("ragged", ragged)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name}: expected a bool, got {flag!r}")
+        SamplingParams(do_sample, 1.0, top_k, top_p)  # the settings checked as a generation checks them
+        kind = BodyKind.of(do_sample, top_k, top_p, ragged)
         with self._lock:
             if do_sample and self.returns_logits is False:
                 raise ValueError(_IDS_ONLY)
-            if do_sample != self._sampling:
+            if kind != self._kind:
                 self._generation += 1  # a live iterator must not go on with the other body
-            self._use_body(do_sample)
+            self._use_body(kind)
             self._restart_column()
+            self._prepare_kernels()
             self._loop.capture()  # idempotent: nothing when this body is captured already
 
     def _restart_column(self) -> None:
@@ -211,24 +268,41 @@ class DeviceDecodeLoop:
             control[_COL] = 0
             control[_LIMIT] = self.chunk
 
-    def captured_for(self, do_sample: bool) -> bool:
-        """Whether the loop's graph is captured (or runs eagerly) with the body for this kind of generation:
-        a generation of this kind then runs no warm-up of the step."""
-        return do_sample == self._sampling and self._loop.strategy != "pending"
+    def captured_for(self, do_sample: bool, *, top_k: int | None = None, top_p: float | None = None,
+                     ragged: bool = False) -> bool:
+        """Whether the loop's graph is captured (or runs eagerly) with the body for this kind of generation
+        (the arguments as :meth:`capture` takes them): a generation of this kind then runs no warm-up of
+        the step."""
+        return BodyKind.of(do_sample, top_k, top_p, ragged) == self._kind and self._loop.strategy != "pending"
 
-    def _use_body(self, do_sample: bool) -> None:
-        """Make the loop's body the greedy or the sampling one (dropping a capture of the other)."""
-        if do_sample != self._sampling:
+    @property
+    def body_kind(self) -> BodyKind:
+        """The kind of generation the loop's body is (or will be) captured for."""
+        return self._kind
+
+    def _use_body(self, kind: BodyKind) -> None:
+        """Make the loop's body the one for ``kind`` (dropping a capture of another)."""
+        if kind != self._kind:
             self._loop.close()
             self._nxt = None
-            self._sampling = do_sample
+            self._kind = kind
 
-    def chunks(self, tokens: torch.Tensor, position: int, *, max_new_tokens: int, eos_token_id: EosIds = None,
+    def _prepare_kernels(self) -> None:
+        """Compile and load, before a capture, what the body launches that a capture could not load: the
+        Triton random-number kernel (the warm-ups would too; this does not depend on their number)."""
+        if self._kind.sampling and self._loop.strategy == "pending":
+            prepare_fused(self._eos_pad.device)
+
+    def chunks(self, tokens: torch.Tensor, position: Position, *, max_new_tokens: int, eos_token_id: EosIds = None,
                pad_token_id: int | None = None, unfinished: torch.Tensor | None = None, do_sample: bool = False,
                temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                seed: int | None = None) -> Iterator[torch.Tensor]:
         """Feed ``tokens`` at ``position`` and yield the next tokens, one ``(batch_size, k)`` tensor per
         launch (``k <= chunk``), until ``max_new_tokens`` or every sequence has ended.
+
+        ``position``: an int >= 0 or a 0-dim integer tensor (every sequence's), or a ``(batch_size,)``
+        integer tensor, one per sequence (a ragged batch: the step then gets ``(batch_size,)``
+        positions; the values of a tensor are not checked on the host, which would cost a sync).
 
         A sequence ends when it produces ``eos_token_id`` (an int, or up to
         ``MAX_EOS_IDS`` = 8 ids as a list, tuple or integer tensor: any of them) and
@@ -241,14 +315,14 @@ class DeviceDecodeLoop:
         ``generate(do_sample=True)`` does, with ``temperature``, ``top_k`` and
         ``top_p`` in transformers' order; ``seed`` (default: drawn from torch's
         generator) fixes the tokens: the token of sequence ``i`` generated after
-        position ``p`` uses the stream's number at ``(seed, i, p)``.
+        position ``p`` (its own, in a ragged batch) uses the stream's number at ``(seed, i, p)``.
 
         Arguments are checked and the state loaded now, not at the first ``next()``.
         One generation at a time: a later :meth:`chunks` or :meth:`generate` on the
         same loop reloads the state, and an earlier iterator then raises ``RuntimeError``.
         """
         check_int("max_new_tokens", max_new_tokens, minimum=0)
-        check_int("position", position)
+        ragged = self._check_position(position)
         eos = () if eos_token_id is None else check_token_ids("eos_token_id", eos_token_id)
         if len(eos) > MAX_EOS_IDS:
             raise ValueError(f"eos_token_id: expected at most {MAX_EOS_IDS} ids (the device step compares with "
@@ -265,7 +339,7 @@ class DeviceDecodeLoop:
             if do_sample and self.returns_logits is False:  # known from an earlier capture: refuse before any change
                 raise ValueError(_IDS_ONLY)
             self._generation += 1  # from here the state changes: an earlier iterator is superseded
-            self._use_body(do_sample)  # the other body: the _load below captures it
+            self._use_body(BodyKind.of(do_sample, params.top_k, params.top_p, ragged))  # the _load below captures it
             self._load(tokens, position, unfinished)
             if do_sample and self.returns_logits is False:
                 raise ValueError(_IDS_ONLY)
@@ -290,7 +364,7 @@ class DeviceDecodeLoop:
             if part is not None:
                 yield part
 
-    def generate(self, tokens: torch.Tensor, position: int, *, max_new_tokens: int, eos_token_id: EosIds = None,
+    def generate(self, tokens: torch.Tensor, position: Position, *, max_new_tokens: int, eos_token_id: EosIds = None,
                  pad_token_id: int | None = None, unfinished: torch.Tensor | None = None, do_sample: bool = False,
                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                  seed: int | None = None) -> torch.Tensor:
@@ -302,17 +376,39 @@ class DeviceDecodeLoop:
             return torch.empty(self.batch_size, 0, dtype=torch.long, device=self._eos_pad.device)
         return torch.cat(parts, dim=1)
 
-    def _load(self, tokens: torch.Tensor, position: int, unfinished: torch.Tensor | None) -> None:
+    def _check_position(self, position: Any) -> bool:
+        """Check a generation's ``position``; True when it gives one position per sequence."""
+        if not isinstance(position, torch.Tensor):
+            check_int("position", position)
+            return False
+        if position.is_floating_point() or position.is_complex() or position.dtype == torch.bool \
+                or position.shape not in ((), (self.batch_size,)):
+            raise ValueError(f"position: expected an int >= 0, a 0-dim integer tensor or ({self.batch_size},) "
+                             f"integer positions (one per sequence), got {describe(position)}")
+        return position.dim() == 1
+
+    def _load(self, tokens: torch.Tensor, position: Position, unfinished: torch.Tensor | None) -> None:
         tok, pos, _, _, alive, _ = self._loop.state
         _check_vector("tokens", tokens, tok, integer=True)
         if unfinished is not None:
             _check_vector("unfinished", unfinished, alive, integer=False)
+        ragged = self._check_position(position)
+        if ragged != self._kind.ragged:
+            raise RuntimeError(f"DeviceDecodeLoop: a {'ragged' if ragged else 'scalar'} position with a body "
+                               f"captured for {self._kind}; chunks() chooses the body first")
         with torch.no_grad():
             tok.copy_(tokens.reshape(self.batch_size))
-            pos.fill_(position)
+            if ragged:  # the counter from 0, each sequence's start in its offset
+                pos.zero_()
+                self._offsets.copy_(position)
+            elif isinstance(position, torch.Tensor):
+                pos.copy_(position)
+            else:
+                pos.fill_(position)
             alive.copy_(True if unfinished is None else unfinished)
         self._restart_column()  # a capture below warms up on this state
         if self._loop.strategy == "pending":
+            self._prepare_kernels()
             # after the load: the warm-up runs the step at this generation's own position (a KV cache
             # written there is overwritten by the first real step) and puts the loaded state back
             self._loop.capture()

@@ -11,6 +11,13 @@ the batch the sequence shares. The functions here are the reference: plain
 torch ops on any device, which the eager strategy runs and the device
 kernels must reproduce.
 
+On a GPU, :func:`uniform` runs one Triton kernel (:mod:`._philox_triton`) that
+computes the same numbers bit for bit where the reference costs some 300 small
+kernels; ``uniform(..., fused=False)`` forces the reference (what a test
+compares the kernel with). Triton is optional: without it (PyTorch's CPU
+build) or on a CPU tensor, the reference runs. :func:`prepare_fused` compiles
+and loads the kernel ahead of a capture.
+
 A token is drawn as ``generate(do_sample=True)`` draws it, in transformers'
 order: the logits divided by ``temperature``, then top-k (every logit below
 the k-th largest removed; ties kept), then top-p (the smallest tokens whose
@@ -22,15 +29,23 @@ in [0, 1) made from two Philox words (53 bits).
 
 from __future__ import annotations
 
+import functools
+import importlib
 import math
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
 from ..errors import ConfigError
 
-__all__ = ["SamplingParams", "philox4x32", "uniform", "seed_key", "filter_logits", "filter_tensors", "filter_scores",
-           "draw", "sample_tokens"]
+__all__ = ["FUSED_BY_DEFAULT", "SamplingParams", "philox4x32", "uniform", "seed_key", "filter_logits", "filter_tensors", "filter_scores",
+           "filter_flags", "draw", "sample_tokens", "fused_unavailable_reason", "prepare_fused"]
+
+FUSED_BY_DEFAULT = True
+"""What ``uniform(fused=None)`` does on a GPU where triton imports: the Triton kernel (True) or the torch
+reference (False: a switch for the whole process, e.g. to rule the kernel out while debugging; read at each
+call, so set it before a loop captures its body)."""
 
 _MASK = 0xFFFFFFFF
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox4x32 multipliers
@@ -105,34 +120,99 @@ def philox4x32(counter: torch.Tensor, key: torch.Tensor, rounds: int = 10) -> to
     return torch.stack((c0, c1, c2, c3), dim=-1)
 
 
-def uniform(seed: int | torch.Tensor, sequence: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+def uniform(seed: int | torch.Tensor, sequence: torch.Tensor, position: torch.Tensor, *,
+            fused: bool | None = None) -> torch.Tensor:
     """The uniform number in [0, 1) (float64, 53 bits) of each ``(sequence, position)`` under ``seed``
     (an int, or its :func:`seed_key` on the device: a captured graph reads the key from a buffer).
 
     The counter is ``(position, sequence, position >> 32, 0)`` and the key the seed's two 32-bit
     halves; ``sequence`` and ``position`` broadcast against each other (int tensors, any device).
+
+    ``fused``: None (default) runs the one-kernel Triton form on a CUDA device where triton
+    imports (unless :data:`FUSED_BY_DEFAULT` is False) and the torch reference elsewhere; False
+    forces the reference; True demands the kernel (``RuntimeError`` naming why it cannot run).
+    Both give the same bits.
     """
     seq, pos = torch.broadcast_tensors(sequence.to(torch.int64), position.to(torch.int64))
+    key = seed_key(seed, seq.device) if isinstance(seed, int) else seed
+    if fused is None:  # a key on a CUDA (or ROCm) device: the GPU is there, triton decides
+        fused = (FUSED_BY_DEFAULT and key.device.type == "cuda" and key.shape == (2,)
+                 and _load_fused()[0] is not None)
+    elif fused:
+        why = fused_unavailable_reason() if key.device.type == "cuda" else f"the tensors are on {key.device}"
+        if why is None and key.shape != (2,):
+            why = f"it takes one (2,) key (seed_key), got a key of shape {tuple(key.shape)}"
+        if why is not None:
+            raise RuntimeError(f"uniform(fused=True): the Triton kernel cannot run: {why}; fused=None picks the "
+                               "torch reference then")
+    if fused:
+        if seq.device != key.device:
+            raise ValueError(f"uniform: expected sequence and position on the key's device {key.device}, "
+                             f"got {seq.device}")
+        return _fused_module().uniform_fused(key.to(torch.int64), seq, pos)
     zero = torch.zeros_like(seq)
     counter = torch.stack((pos & _MASK, seq & _MASK, (pos >> 32) & _MASK, zero), dim=-1)
-    key = seed_key(seed, seq.device) if isinstance(seed, int) else seed
     words = philox4x32(counter, key)
     a = (words[..., 0] >> 5).to(torch.float64)  # 27 bits
     b = (words[..., 1] >> 6).to(torch.float64)  # 26 bits
     return (a * 67108864.0 + b) * (1.0 / 9007199254740992.0)
 
 
+@functools.cache
+def _load_fused() -> tuple[ModuleType | None, str | None]:
+    """The Triton kernel's module, or why it cannot be had; imported once, on the first CUDA call.
+
+    Imported here, not at the top: triton ships with PyTorch's CUDA and ROCm builds only, and its
+    import (some hundreds of milliseconds) is not for ``import gfxgraph`` to pay."""
+    try:
+        return importlib.import_module("._philox_triton", __package__), None
+    except ImportError as exc:
+        return None, f"triton does not import ({type(exc).__name__}: {exc})"
+
+
+def _fused_module() -> ModuleType:
+    module, why = _load_fused()
+    if module is None:
+        raise RuntimeError(f"the fused Philox kernel needs triton: {why}")
+    return module
+
+
+def fused_unavailable_reason() -> str | None:
+    """None where :func:`uniform` can run its Triton kernel (CUDA/ROCm tensors), else why not."""
+    if not torch.cuda.is_available():
+        return "no GPU (torch.cuda.is_available() is False)"
+    return _load_fused()[1]
+
+
+def prepare_fused(device: torch.device | str) -> bool:
+    """Compile and load the Triton kernel for ``device`` now, so that no capture pays (or fails on) it.
+    Returns whether :func:`uniform` will run the kernel there."""
+    dev = torch.device(device)
+    if not FUSED_BY_DEFAULT or dev.type != "cuda" or fused_unavailable_reason() is not None:
+        return False
+    _fused_module().prepare(dev)
+    return True
+
+
 def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
                   top_p: float | None = None) -> torch.Tensor:
     """``logits`` (``(batch, vocab)``) after temperature, top-k and top-p, in transformers' order and
     rules; removed tokens hold ``-inf``. Float32 (as transformers computes them)."""
-    return filter_scores(logits, *filter_tensors(temperature, top_k, top_p, logits.shape[-1], logits.device))
+    use_top_k, use_top_p = filter_flags(top_k, top_p)
+    return filter_scores(logits, *filter_tensors(temperature, top_k, top_p, logits.shape[-1], logits.device),
+                         use_top_k=use_top_k, use_top_p=use_top_p)
+
+
+def filter_flags(top_k: int | None, top_p: float | None) -> tuple[bool, bool]:
+    """Which filters can remove a token: ``(top-k on, top-p on)``. Off (None, or ``top_p >= 1``) a filter
+    removes nothing, so :func:`filter_scores` may leave it out and skip its full-vocabulary sort."""
+    return top_k is not None and top_k > 0, top_p is not None and top_p < 1.0
 
 
 def filter_tensors(temperature: float, top_k: int | None, top_p: float | None, vocab: int,
                    device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The filters' settings as the 0-dim tensors :func:`filter_scores` reads (a captured loop keeps them
-    in buffers, so one graph serves every setting): the temperature (float32), top-k's k (long; the
+    in buffers, so one graph serves every value): the temperature (float32), top-k's k (long; the
     vocabulary size when off) and top-p's removal threshold ``1 - top_p`` (float32, rounded from float64
     as transformers' comparison with a Python float rounds it; -1 when off: nothing is removed)."""
     t = torch.tensor(float(temperature), dtype=torch.float32, device=device)
@@ -142,18 +222,25 @@ def filter_tensors(temperature: float, top_k: int | None, top_p: float | None, v
 
 
 def filter_scores(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p_cut: torch.Tensor) -> torch.Tensor:
+                  top_p_cut: torch.Tensor, *, use_top_k: bool = True, use_top_p: bool = True) -> torch.Tensor:
     """:func:`filter_logits` with its settings as device tensors (:func:`filter_tensors`): no host read,
-    so it runs inside a captured graph; every strategy draws through it."""
+    so it runs inside a captured graph; every strategy draws through it.
+
+    ``use_top_k``/``use_top_p`` (host flags, :func:`filter_flags`) leave a filter out, with its sort over
+    the vocabulary: a filter that is off (k = the vocabulary, cut = -1) removes nothing, so leaving it
+    out gives the same scores bit for bit; the flags only say which settings may remove tokens."""
     scores = logits.float() / temperature
-    descending = scores.sort(dim=-1, descending=True).values
-    k = (top_k - 1).clamp(min=0, max=scores.shape[-1] - 1)  # a k above the vocabulary keeps every token
-    kth = descending.gather(-1, k.view(1, 1).expand(scores.shape[0], 1))
-    scores = scores.masked_fill(scores < kth, -math.inf)
-    ascending, order = torch.sort(scores, dim=-1, descending=False)
-    remove = ascending.softmax(dim=-1).cumsum(dim=-1) <= top_p_cut
-    remove[..., -1:] = False  # at least one token stays
-    return scores.masked_fill(remove.scatter(-1, order, remove), -math.inf)
+    if use_top_k:
+        descending = scores.sort(dim=-1, descending=True).values
+        k = (top_k - 1).clamp(min=0, max=scores.shape[-1] - 1)  # a k above the vocabulary keeps every token
+        kth = descending.gather(-1, k.view(1, 1).expand(scores.shape[0], 1))
+        scores = scores.masked_fill(scores < kth, -math.inf)
+    if use_top_p:
+        ascending, order = torch.sort(scores, dim=-1, descending=False)
+        remove = ascending.softmax(dim=-1).cumsum(dim=-1) <= top_p_cut
+        remove[..., -1:] = False  # at least one token stays
+        scores = scores.masked_fill(remove.scatter(-1, order, remove), -math.inf)
+    return scores
 
 
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, sequence: torch.Tensor,
@@ -165,8 +252,10 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, sequence: torch.
     if params.seed is None:
         raise ConfigError("sample_tokens: expected params with a seed (SamplingParams.with_seed())")
     settings = filter_tensors(params.temperature, params.top_k, params.top_p, logits.shape[-1], logits.device)
+    use_top_k, use_top_p = filter_flags(params.top_k, params.top_p)
     key = seed_key(params.seed, logits.device)
-    return draw(filter_scores(logits, *settings), uniform(key, sequence.to(logits.device), position.to(logits.device)))
+    scores = filter_scores(logits, *settings, use_top_k=use_top_k, use_top_p=use_top_p)
+    return draw(scores, uniform(key, sequence.to(logits.device), position.to(logits.device)))
 
 
 def draw(scores: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,98 @@
+"""Philox4x32-10 uniform numbers in one Triton kernel: the fused form of :func:`.sampling.uniform`.
+
+The reference in :mod:`.sampling` builds Philox out of int64 torch ops (32-bit
+words emulated in 16-bit halves): about 300 small kernels per call, which a
+decode step pays per token. Here one kernel computes, for each ``(sequence,
+position)``, the same four rounds' worth of words with 32-bit unsigned
+arithmetic (``tl.umulhi`` for the high word of each product) and the same
+53-bit float64, bit for bit: every step is integer arithmetic or an exact
+float operation (a 27-bit and a 26-bit integer scaled by powers of two).
+
+This module imports triton at its top: :mod:`.sampling` imports it only when a
+CUDA tensor asks for a uniform number (triton ships with PyTorch's CUDA and
+ROCm builds, not with the CPU build, and its import costs time that ``import
+gfxgraph`` should not pay). Nothing here uses triton's own random-number
+helpers (private, and their key schedule is theirs): the rounds are written out.
+
+Capture: the kernel allocates nothing but its output (``torch.empty`` on the
+caller's stream, which a capture routes to its pool) and reads nothing on the
+host. Its JIT compile and module load happen at the first call: call
+:func:`prepare` (or run the code eagerly once, as a capture's warm-up does)
+before a capture. The launch specialises on nothing that differs between a
+warm-up and the capture of the same call (sizes and strides are not
+specialised).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["uniform_fused", "prepare"]
+
+# Integer literals above 2**31 are uint32 in triton: the products and sums below wrap at 32 bits,
+# as Philox's words do.
+_M0: tl.constexpr = tl.constexpr(0xD2511F53)  # Philox4x32 multipliers
+_M1: tl.constexpr = tl.constexpr(0xCD9E8D57)
+_W0: tl.constexpr = tl.constexpr(0x9E3779B9)  # Weyl key increments
+_W1: tl.constexpr = tl.constexpr(0xBB67AE85)
+_BLOCK = 256
+
+
+@triton.jit(do_not_specialize=["n", "seq_stride", "pos_stride"])
+def _philox_uniform_kernel(key_ptr, seq_ptr, pos_ptr, out_ptr, n, seq_stride, pos_stride,
+                           BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n
+    seq = tl.load(seq_ptr + offs * seq_stride, mask=inside, other=0)  # int64
+    pos = tl.load(pos_ptr + offs * pos_stride, mask=inside, other=0)  # int64
+    # the key: the seed's two 32-bit halves, held in int64 (an int64 -> uint32 cast keeps the low word)
+    k0 = tl.load(key_ptr).to(tl.uint32)
+    k1 = tl.load(key_ptr + 1).to(tl.uint32)
+    # the counter (position low word, sequence, position high word, 0), as the reference builds it
+    c0 = pos.to(tl.uint32)
+    c1 = seq.to(tl.uint32)
+    c2 = (pos >> 32).to(tl.uint32)
+    c3 = tl.zeros_like(c0)
+    for _ in tl.static_range(10):
+        hi0 = tl.umulhi(c0, _M0)
+        lo0 = c0 * _M0
+        hi1 = tl.umulhi(c2, _M1)
+        lo1 = c2 * _M1
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = k0 + _W0  # the key bump after the last round is never used
+        k1 = k1 + _W1
+    # 27 bits of word 0 and 26 of word 1: an integer below 2**53, scaled by 2**-53 (every step exact)
+    a = (c0 >> 5).to(tl.float64)
+    b = (c1 >> 6).to(tl.float64)
+    u = (a * 67108864.0 + b) * (1.0 / 9007199254740992.0)
+    tl.store(out_ptr + offs, u, mask=inside)
+
+
+def uniform_fused(key: torch.Tensor, sequence: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """:func:`.sampling.uniform` in one kernel: ``key`` a ``(2,)`` int64 tensor (:func:`.sampling.seed_key`),
+    ``sequence`` and ``position`` int64 tensors broadcast against each other, all on one GPU.
+
+    Cost: one kernel launch (plus a copy where a broadcast of two or more dimensions cannot be
+    flattened to one stride); the output is a new float64 tensor of the broadcast shape."""
+    seq, pos = torch.broadcast_tensors(sequence, position)
+    out = torch.empty(seq.shape, dtype=torch.float64, device=key.device)
+    n = out.numel()
+    if n == 0:
+        return out
+    flat_seq, flat_pos = seq.reshape(-1), pos.reshape(-1)  # a view (stride 0 for a broadcast scalar) where it can be
+    grid = (triton.cdiv(n, _BLOCK),)
+    # triton launches on the current device's current stream (CPU tensors: triton's interpreter, TRITON_INTERPRET=1)
+    with torch.cuda.device(key.device) if key.device.type == "cuda" else contextlib.nullcontext():
+        _philox_uniform_kernel[grid](key, flat_seq, flat_pos, out, n, flat_seq.stride(0), flat_pos.stride(0),
+                                     BLOCK=_BLOCK)
+    return out
+
+
+def prepare(device: torch.device) -> None:
+    """Compile and load the kernel for ``device`` now (a first call does it; a capture must not)."""
+    one = torch.zeros(1, dtype=torch.int64, device=device)
+    uniform_fused(torch.zeros(2, dtype=torch.int64, device=device), one, one)
