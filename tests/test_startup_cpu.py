@@ -144,3 +144,36 @@ def test_a_torch_without_cache_artifacts_raises_not_implemented(monkeypatch, tmp
         cache.load(tmp_path / "b")
     with pytest.raises(FileNotFoundError):
         cache.load(tmp_path / "missing")
+
+
+def test_a_static_subgraph_compiled_on_a_later_call_is_cached_by_inductor(tmp_path, monkeypatch):
+    """The backend compiles a static subgraph on a later call, with real tensors; inductor's FX graph cache
+    and the AOTAutograd cache must key it (not bypass it: "No shape env"), so a warm process skips it."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    import torch._dynamo
+
+    from hipgraph_bridge._torch_compat import compile_cache_counters, maybe_mark_dynamic
+    from hipgraph_bridge.compile.backend import register
+
+    register()
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    lin = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)).eval()
+
+    def step(x):
+        return lin(x).softmax(-1)
+
+    f = torch.compile(step, backend="gfxgraph")
+    before = compile_cache_counters()
+    with torch.no_grad():
+        x = torch.randn(16, 16)
+        maybe_mark_dynamic(x, 0)
+        f(x)
+        for _ in range(4):  # batch 1 specialises: a static frame, compiled on a later call
+            y = torch.randn(1, 16)
+            torch.testing.assert_close(f(y), step(y))
+    after = compile_cache_counters()
+    assert after["fx_graph_bypass"] == before["fx_graph_bypass"]
+    assert after["aot_autograd_bypass"] == before["aot_autograd_bypass"]
+    assert after["fx_graph_miss"] - before["fx_graph_miss"] == 2  # the dynamic frame and the static one
+    torch._dynamo.reset()
