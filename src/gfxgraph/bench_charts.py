@@ -360,7 +360,7 @@ def device_generate_charts(doc: dict[str, Any]) -> list[Chart]:
         bars = tuple((k, keys.get(k, "device"), float(v["tokens_per_s"])) for k, v in r.items()
                      if isinstance(v, dict) and isinstance(v.get("tokens_per_s"), (int, float)))
         panels.append(BarPanel(case.replace(" bs", ", bs "), "tokens per second", bars))
-    return [Chart("device_generate", "Greedy generation, EOS checked every token", _nonempty(tuple(panels)),
+    return [Chart("device_generate", "Generation, EOS checked every token (greedy and sampled)", _nonempty(tuple(panels)),
                   "Tokens/s of 256 new tokens: per-token loops (one host read per token) against the device "
                   "loop (one launch and one read per K tokens).", legend=False)]
 
@@ -407,8 +407,24 @@ def startup_charts(doc: dict[str, Any]) -> list[Chart]:
                   "(model build excluded); warm keeps PyTorch's compile caches, portable loads the saved file.")]
 
 
+def device_launch_charts(doc: dict[str, Any]) -> list[Chart]:
+    """Wall time per call against the row count n, one line per way of handling an n that lives on the GPU."""
+    rows = doc.get("rows", {})
+    ways = (("host read", "host read of n, then a pool call", "eager"),
+            ("switch", "SWITCH node over the buckets", "default"),
+            ("device", "pool.device_sized (device launch)", "device"),
+            ("pool, n on host", "pool call, n already on the host", "pool"))
+    series = tuple(Series(label, key, tuple((float(r["n"]), float(r["wall_us"])) for r in rows.get(name, [])))
+                   for name, label, key in ways)
+    panel = _line("8 buckets, bf16 MLP step", "rows n (bucket: the smallest of 1, 2, 4, 8, 16, 32, 48, 64 >= n)",
+                  "microseconds per call (wall, 200 calls)", tuple(s for s in series if s.points))
+    return [Chart("device_launch", "A batch size on the GPU: host read, SWITCH, device launch", _nonempty((panel,)),
+                  "Wall time per call against n; lower is better.")]
+
+
 SUITE_CHARTS: dict[str, Callable[[dict[str, Any]], list[Chart]]] = {
     "startup": startup_charts,
+    "device_launch": device_launch_charts,
     "llm_decode": llm_decode_charts,
     "shape_bucketing": shape_bucketing_charts,
     "compile_backend": compile_backend_charts,
