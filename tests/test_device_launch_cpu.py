@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+import gfxgraph
+from hipgraph_bridge.bucketing import device_sized as ds
 from hipgraph_bridge.compose.device_launch import status_message
+from hipgraph_bridge.errors import GraphsUnavailableError
 from hipgraph_bridge.runtime import device_launch as dl
 from hipgraph_bridge.runtime._base import RuntimeCaps
 
@@ -106,3 +111,71 @@ def test_health_check_and_doctor_say_whether_device_launch_is_there():
     assert f"device-side graph launch: {detail}" in report["details"]
     if not ok:
         assert detail  # a reason, never an empty line
+
+
+# ------------------------------------------------------------ device-sized pool calls: when the host path is taken
+
+
+def test_device_sized_needs_a_gpu_and_says_so():
+    pool = gfxgraph.ShapeBucketPool(lambda x: x * 2, [2, 4], progress=False)
+    with pytest.raises(GraphsUnavailableError, match="ShapeBucketPool.device_sized needs a CUDA or ROCm GPU"):
+        pool.device_sized(torch.ones(4, 3))
+
+
+def _call(*, keys=None, entries=None, process_group=None, outputs=None, buckets=(2, 4)):
+    """A DeviceSizedCall shell over a stub pool: just what _why_host reads."""
+    graph = object()
+    if entries is None:
+        entries = {(b, ()): SimpleNamespace(graph=graph) for b in buckets}
+    pool = SimpleNamespace(options=SimpleNamespace(process_group=process_group), buckets=list(buckets),
+                           failed_buckets={}, _engine=SimpleNamespace(
+                               keys={(): SimpleNamespace(decided=True, refusal=None)} if keys is None else keys,
+                               entries=entries))
+    call = ds.DeviceSizedCall.__new__(ds.DeviceSizedCall)
+    call._pool, call._bd, call.capacity = pool, 0, buckets[-1]
+    call._outputs = [torch.zeros(buckets[-1], 3)] if outputs is None else outputs
+    return call
+
+
+@pytest.fixture
+def launch_ok(monkeypatch):
+    monkeypatch.setattr(ds, "current_runtime", lambda: object())
+    monkeypatch.setattr(ds, "device_launch_unavailable_reason", lambda rt: None)
+
+
+def test_a_padded_pool_with_every_bucket_graphed_goes_to_the_device(launch_ok):
+    assert _call()._why_host() is None
+
+
+def test_no_device_launch_gives_its_reason(monkeypatch):
+    monkeypatch.setattr(ds, "current_runtime", lambda: object())
+    monkeypatch.setattr(ds, "device_launch_unavailable_reason", lambda rt: "HIP has no device-side graph launch")
+    assert _call()._why_host() == "HIP has no device-side graph launch"
+
+
+def test_no_runtime_binding_is_a_reason_not_a_crash(monkeypatch):
+    def boom():
+        raise RuntimeError("no binding loads")
+
+    monkeypatch.setattr(ds, "current_runtime", boom)
+    assert "no binding loads" in _call()._why_host()
+
+
+def test_multi_rank_pools_stay_on_the_host(launch_ok):
+    assert "ranks" in _call(process_group=object())._why_host()
+
+
+def test_undecided_or_unpadded_models_stay_on_the_host(launch_ok):
+    assert "not decided" in _call(keys={})._why_host()
+    refused = {(): SimpleNamespace(decided=True, refusal="rows are coupled: x.mean(0)")}
+    assert "does not pad this model: rows are coupled" in _call(keys=refused)._why_host()
+
+
+def test_a_bucket_without_a_graph_keeps_the_host_path(launch_ok):
+    entries = {(2, ()): SimpleNamespace(graph=None), (4, ()): SimpleNamespace(graph=object())}
+    assert "buckets [2] have no graph" in _call(entries=entries)._why_host()
+
+
+def test_outputs_without_the_batch_keep_the_host_path(launch_ok):
+    assert "output 1 does not carry the batch" in _call(outputs=[torch.zeros(4, 3), torch.zeros(3)])._why_host()
+    assert "output 0 does not carry the batch" in _call(outputs=[torch.zeros(2, 3)])._why_host()

@@ -127,7 +127,10 @@ class DeviceSizedCall:
     # ------------------------------------------------------------------ decisions
     def _why_host(self) -> str | None:
         pool, engine = self._pool, self._pool._engine
-        why = device_launch_unavailable_reason(current_runtime())
+        try:
+            why = device_launch_unavailable_reason(current_runtime())
+        except Exception as exc:  # no runtime binding loads: the host path needs none
+            why = f"no graph runtime binding for device launch: {exc}"
         if why is not None:
             return why
         if pool.options.process_group is not None:
