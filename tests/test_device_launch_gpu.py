@@ -121,3 +121,42 @@ def test_row_coupled_model_takes_the_host_path_with_the_reason():
     torch.testing.assert_close(out[:5], coupled(x[:5]))
     assert not out[5:].any()
     pool.close()
+
+
+def test_a_call_object_dropped_at_once_finishes_its_dispatch_first(made):
+    model, pool, _ = made
+    x = torch.randn(64, 32, device="cuda")
+    with torch.no_grad():
+        out = pool.device_sized(x)(torch.tensor(9, device="cuda"), x).clone()  # the call object is collected here
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out[:9], model(x[:9]), rtol=1e-5, atol=1e-5)
+
+
+def test_a_closed_call_refuses(made):
+    _, pool, _ = made
+    x = torch.randn(64, 32, device="cuda")
+    with torch.no_grad():
+        call = pool.device_sized(x)
+        call(torch.tensor(3, device="cuda"), x)
+        call.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            call(torch.tensor(3, device="cuda"), x)
+
+
+def test_host_path_keeps_outputs_without_the_batch():
+    _needs_device_launch()
+    w = torch.randn(3, 5, device="cuda")
+
+    def two(x):
+        y = x @ w
+        return y, y.sum()
+
+    pool = gfxgraph.ShapeBucketPool(two, [4, 8], progress=False)
+    call = pool.device_sized(torch.randn(8, 3, device="cuda"))
+    assert call.mode == "host" and "output 1 does not carry the batch" in call.reason
+    x = torch.randn(8, 3, device="cuda")
+    y, total = call(torch.tensor(6, device="cuda"), x)
+    torch.testing.assert_close(y[:6], x[:6] @ w)
+    assert not y[6:].any()
+    torch.testing.assert_close(total, (x[:6] @ w).sum())
+    pool.close()

@@ -295,16 +295,18 @@ def compile_fx(gm: torch.fx.GraphModule, args: list[Any], config_patches: dict[s
     it would compile from scratch in every process. Its arguments are turned into fake tensors of a
     fake mode with a shape environment (static shapes: the graph is static), so the caches key it.
     """
-    from torch._guards import detect_fake_mode
+    from torch._guards import TracingContext, detect_fake_mode, tracing
     from torch._inductor.compile_fx import compile_fx as _compile_fx  # heavy: imports inductor
 
     if detect_fake_mode(args) is None and any(isinstance(a, torch.Tensor) for a in args):
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+        # as dynamo hands a backend its graph: fake arguments and a tracing context holding their mode
+        # (not an ambient mode: inductor's passes expect none)
         mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
         fakes = [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
-        with mode:
+        with tracing(TracingContext(mode)):
             return _compile_fx(gm, fakes, config_patches=config_patches)
     return _compile_fx(gm, args, config_patches=config_patches)
 

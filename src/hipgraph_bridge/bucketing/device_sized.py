@@ -40,6 +40,7 @@ with the pool's ordinary calls on other streams yourself.
 from __future__ import annotations
 
 import ctypes
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -92,6 +93,7 @@ class DeviceSizedCall:
         self.args, self.kwargs = inputs.layout.rebuild(leaves)
         device = inputs.buffers[next(i for i, b in enumerate(inputs.buffers) if b is not None)].device
         self._device = device
+        self._dev_index = device.index if device.index is not None else torch.cuda.current_device()
         self.n = torch.ones((), dtype=torch.int64, device=device)
         self._rows = torch.arange(cap, device=device)
         self._graphs: list[SafeCUDAGraph] = []
@@ -107,13 +109,22 @@ class DeviceSizedCall:
             self._outputs = [torch.zeros_like(o) if isinstance(o, torch.Tensor) else o for o in top.outputs]
             assert top.layout is not None
             self._spec = top.layout.spec
+        self._done = torch.cuda.Event()  # recorded after each dispatch: what release waits for
+        self._closed = False
         self.reason = self._why_host() if device_launch else "device_launch=False was asked (the HIP path)"
         if self.reason is None:
             try:
-                self._build()
-            except GraphRuntimeError as exc:
+                with pool._lock:  # the pool's buffers and memory pool: no ordinary call or capture meanwhile
+                    self._build()
+            except Exception as exc:  # whatever failed (the runtime, memory, the model): the host path serves
                 self._release()
-                self.reason = f"device launch failed to build: {exc}"
+                self.reason = f"device launch failed to build: {type(exc).__name__}: {exc}"
+        # the device graphs, the handle table and the tensors the dispatch reads must outlive every queued
+        # dispatch (a kernel reads a freed handle otherwise): released after the last one, also when this
+        # object is collected without close()
+        self._finalizer = weakref.finalize(self, _release_after, self._done,
+                                           (self._execs, self._graphs, self._dispatch, self._table, self.n,
+                                            self._rows, self.bucket, getattr(self, "_sizes", None)))
         self.mode = "host" if self.reason is not None else "device"
         if self.reason is not None:
             logger.warning("gfxgraph: %s.device_sized(): host path (a host read of n per call): %s",
@@ -202,7 +213,7 @@ class DeviceSizedCall:
                         (ctypes.c_void_p, self.bucket.data_ptr()), (ctypes.c_void_p, table.status.data_ptr())],
                        int(torch.cuda.current_stream().cuda_stream), device=dev)
             self._dispatch = dispatch
-        torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.current_stream().wait_stream(stream)
 
     def _confirm(self, exe: GraphExec, bucket: int, stream: torch.cuda.Stream) -> None:
         """The padding check of ``bucket``'s device graph at one real row (the most padding), by host launches."""
@@ -235,11 +246,12 @@ class DeviceSizedCall:
                 if type(a) is not torch.Tensor or a.shape != shape or a.dtype != dtype:
                     break
             else:
-                for (buf, _, _), a in zip(quick, args):
-                    if a.data_ptr() != buf.data_ptr():
-                        buf.copy_(a)
-                self.n.copy_(n)
-                return self.run()
+                with self._pool._lock:  # the pool's buffers: an ordinary call in another thread waits
+                    for (buf, _, _), a in zip(quick, args):
+                        if a.data_ptr() != buf.data_ptr():
+                            buf.copy_(a)
+                    self.n.copy_(n)
+                    return self.run()
         if not isinstance(n, torch.Tensor) or n.numel() != 1 or n.dtype.is_floating_point or n.is_complex():
             raise TypeError(f"n: expected a one-element integer tensor on {self._device}, got "
                             f"{type(n).__name__ if not isinstance(n, torch.Tensor) else f'{n.dtype} {tuple(n.shape)}'}")
@@ -250,20 +262,28 @@ class DeviceSizedCall:
         if batch != self.capacity:
             raise ValueError(f"expected {self.capacity} rows (the capacity) in every batched argument, got {batch}; "
                              "the real row count goes in n")
-        for buf, leaf in zip(self._inputs.buffers, leaves):
-            if buf is not None and leaf.data_ptr() != buf.data_ptr():  # a view of the buffer is there already
-                buf.copy_(leaf)
-        self.n.copy_(n.reshape(()))
-        return self.run()
+        with self._pool._lock:
+            for buf, leaf in zip(self._inputs.buffers, leaves):
+                if buf is not None and leaf.data_ptr() != buf.data_ptr():  # a view of the buffer is there already
+                    buf.copy_(leaf)
+            self.n.copy_(n.reshape(()))
+            return self.run()
 
     def run(self) -> Any:
         """One call on what :attr:`args`/:attr:`kwargs` and :attr:`n` hold now. Returns the outputs (views of
         shared buffers of capacity rows, rows ``>= n`` zero), valid until the next call."""
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed; ask pool.device_sized() again")
         dispatch = self._dispatch
         if dispatch is None:
-            return self._host_run()
+            with self._pool._lock:
+                return self._host_run()
+        if torch.cuda.current_device() != self._dev_index:  # the graphs live on the buffers' GPU
+            with torch.cuda.device(self._dev_index):
+                return self.run()
         with self._pool._lock:
             dispatch.replay()
+            self._done.record()
             self._inputs.dirty = self.capacity  # every row may now hold real data: ordinary calls refill
         if config.switches.debug:
             self.check()
@@ -278,12 +298,19 @@ class DeviceSizedCall:
                  for leaf, kind in zip(self._inputs.views(cap, cap), self._inputs.layout.kinds)]
         a, k = self._inputs.layout.rebuild(views)
         out = self._pool(*a, **k)
-        if self._spec is None:
+        flat, spec = pytree.tree_flatten(out)
+        if self._spec is None or spec != self._spec:
             return out
-        for buf, o in zip(self._outputs, pytree.tree_leaves(out)):
-            buf.narrow(bd, 0, rows).copy_(o)
-            buf.narrow(bd, rows, cap - rows).zero_()
-        return self._result
+        leaves = []
+        for buf, o in zip(self._outputs, flat):
+            if (isinstance(o, torch.Tensor) and isinstance(buf, torch.Tensor) and o.dim() > bd
+                    and o.shape[bd] == rows and buf.shape[bd] == cap):
+                buf.narrow(bd, 0, rows).copy_(o)
+                buf.narrow(bd, rows, cap - rows).zero_()
+                leaves.append(buf)
+            else:  # an output without the batch (a sum, a constant): the pool's own value
+                leaves.append(o)
+        return pytree.tree_unflatten(leaves, spec)
 
     def check(self) -> None:
         """Raise if a device call since the last check had ``n`` out of range or failed to launch (a device sync).
@@ -304,14 +331,32 @@ class DeviceSizedCall:
         raise GraphRuntimeError("cudaGraphLaunch (device)", "DEVICE_LAUNCH_FAILED", code, status_message(code))
 
     def _release(self) -> None:
+        """A failed build's parts (nothing was dispatched yet)."""
         for exe in self._execs:
             exe.close()
         self._execs, self._graphs, self._dispatch, self._table = [], [], None, None
 
     def close(self) -> None:
-        """Release the device graphs (the pool's own stay)."""
-        self._release()
+        """Release the device graphs (the pool's own stay), after the last call's dispatch finished.
+        Later calls raise ``RuntimeError``."""
+        self._closed = True
+        self._finalizer()
 
     def __repr__(self) -> str:
         return (f"DeviceSizedCall(capacity={self.capacity}, mode={self.mode!r}"
+                + (", closed" if getattr(self, "_closed", False) else "")
                 + (f", reason={self.reason!r})" if self.reason else ")"))
+
+
+def _release_after(done: torch.cuda.Event, resources: tuple[Any, ...]) -> None:
+    """Wait for the last dispatch (its tail launch included), then destroy the device graphs. Never raises:
+    it runs from close() and from the garbage collector."""
+    try:
+        done.synchronize()
+    except Exception as exc:  # a broken device: destroying is still better than keeping
+        logger.debug("gfxgraph: waiting for the last device-sized dispatch failed: %s", exc)
+    for exe in resources[0]:
+        try:
+            exe.close()
+        except Exception as exc:
+            logger.debug("gfxgraph: releasing a device graph failed: %s", exc)

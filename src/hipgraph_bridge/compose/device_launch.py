@@ -35,7 +35,8 @@ _NODE_HINT = ("a graph launched from the device may hold only kernels, copies an
 
 
 def instantiate_for_device(graph: Graph, *, stream: Any, track_completion: bool = True) -> GraphExec:
-    """``graph`` instantiated for device launch and uploaded on ``stream`` (a device launch needs the upload).
+    """``graph`` instantiated for device launch, and uploaded on ``stream`` (a device launch needs the upload;
+    None: the caller uploads it).
 
     Raises:
         GraphRuntimeError: the runtime refused; its message first, then what a device graph may hold.
@@ -68,6 +69,8 @@ class DeviceTable:
         self.execs = torch.zeros(count, dtype=torch.int64, device=f"cuda:{device}")
         self.status = torch.zeros(1, dtype=torch.int32, device=f"cuda:{device}")
         self.kernels = launcher_kernels(device)
+        # the zero fill above ran on the current stream; writes may come on another
+        torch.cuda.current_stream(device).synchronize()
 
     def set(self, i: int, exec_: GraphExec, *, stream: Any = None) -> None:
         """Point slot ``i`` at ``exec_`` (queued on ``stream``, default the current one)."""

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -102,12 +103,17 @@ class LaunchPipeline:
         self._pending: list[Graph | None] = [None] * instances
         self._table: DeviceTable | None = None
         self._launchers: list[GraphExec] = []
+        self._finalizer: weakref.finalize | None = None
         try:
             if self.device_launch:
                 self._table = DeviceTable(instances, device=torch.cuda.current_device())
+                # handle-table writes go to the staging stream, before the upload event a launch waits for
+                self._staging_stream.wait_stream(torch.cuda.current_stream())
             for i in range(instances):
                 if self.device_launch:
-                    self._execs.append(instantiate_for_device(g, stream=self._staging))
+                    self._execs.append(instantiate_for_device(g, stream=None))  # uploaded just below
+                    assert self._table is not None
+                    self._table.set(i, self._execs[i], stream=self._staging)
                 else:
                     self._execs.append(g.instantiate(track_completion=True))
                 self._upload_events.append(Event.create(runtime=self._rt))
@@ -115,7 +121,6 @@ class LaunchPipeline:
             if self._table is not None:
                 table = self._table
                 for i in range(instances):
-                    table.set(i, self._execs[i], stream=self._stream)
                     self._launchers.append(kernel_graph(
                         table.kernels.launch_one,
                         [(ctypes.c_void_p, table.execs.data_ptr()), (ctypes.c_int, i),
@@ -124,6 +129,9 @@ class LaunchPipeline:
         except BaseException:
             self.close()
             raise
+        if self._table is not None:
+            # collected without close(): a queued launcher kernel must not read a destroyed handle
+            self._finalizer = weakref.finalize(self, _release_device_parts, self._execs, self._launchers)
         self.last_result: UpdateResult | None = None
         self.launches = 0
         self.updates = 0
@@ -180,16 +188,18 @@ class LaunchPipeline:
         self.launches += 1
 
     def synchronize(self) -> None:
-        """Block until every instance's last launch finished."""
-        for exec_ in self._execs:
-            exec_.wait_idle()
+        """Block until every instance's last launch finished; with device launch, then :meth:`check`."""
+        self.check()
 
     def check(self) -> None:
-        """Raise if a device launch failed since the last check (reads the status word: a device sync).
+        """Wait for every instance's last launch, then raise if a device launch failed since the last check
+        (the launcher kernels' status word). A no-op check on the host path.
 
         Raises:
             GraphRuntimeError: the launcher kernel's ``cudaGraphLaunch`` returned an error.
         """
+        for exec_ in self._execs:
+            exec_.wait_idle()
         table = self._table
         if table is None:
             return
@@ -225,7 +235,9 @@ class LaunchPipeline:
         self._execs[i], result = apply_update(exec_, graph, strategy=self._strategy, flags=self._flags)
         self._pending[i] = None
         if self._table is not None and self._execs[i] is not exec_:
-            self._table.set(i, self._execs[i], stream=self._stream)  # re-instantiated: a new handle
+            # re-instantiated: a new handle, written on the staging stream before the upload event that
+            # this instance's next launch waits for, on whatever stream it launches
+            self._table.set(i, self._execs[i], stream=self._staging)
         self._upload_ahead(i)
         self.last_result = result
         return result
@@ -255,6 +267,8 @@ class LaunchPipeline:
         self._launchers = []
         self._execs = []
         self._upload_events = []
+        if getattr(self, "_finalizer", None) is not None:
+            self._finalizer.detach()  # released above
         self._pending = [None] * self._n
         self._upload_wait = [None] * self._n
 
@@ -267,3 +281,18 @@ class LaunchPipeline:
     def __repr__(self) -> str:
         return (f"LaunchPipeline(instances={self._n}, launches={getattr(self, 'launches', 0)}, "
                 f"runtime={self._rt.kind}, device_launch={getattr(self, 'device_launch', False)})")
+
+
+def _release_device_parts(execs: list[GraphExec], launchers: list[GraphExec]) -> None:
+    """A device-launch pipeline collected without close(): wait for each instance's last launch (its launcher
+    kernel read the handle before that), then destroy. Never raises."""
+    for exec_ in execs:
+        try:
+            exec_.wait_idle()
+        except Exception:  # a broken device: destroying is still better than keeping
+            pass
+    for g in (*launchers, *execs):
+        try:
+            g.close()
+        except Exception:
+            pass

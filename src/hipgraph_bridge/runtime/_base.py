@@ -170,15 +170,15 @@ class Runtime:
             except GraphRuntimeError:
                 return 0
 
+        launchable = self.name == "cuda" and min(version(self.runtime_version), version(self.driver_version)) >= 12000
         return RuntimeCaps(
             runtime_version=version(self.runtime_version),
             driver_version=version(self.driver_version),
             exec_update=self._has("GraphExecUpdate"),
             child_graph_update=self._has("GraphExecChildGraphNodeSetParams"),
             upload=self._has("GraphUpload"),
-            device_launch=self.name == "cuda" and min(version(self.runtime_version),
-                                                      version(self.driver_version)) >= 12000,
-            device_launch_reason=DEVICE_LAUNCH_REASON,
+            device_launch=launchable,
+            device_launch_reason="" if launchable else DEVICE_LAUNCH_REASON,
         )
 
     def describe(self) -> dict[str, object]:

@@ -46,7 +46,7 @@ from ..errors import GraphRuntimeError
 from ..log import logger
 from ._base import Runtime
 from .jit import bindings, compile_source, driver_check, ensure_context, link_cubin, load_first, \
-    nvjitlink_unavailable_reason, nvrtc_unavailable_reason
+    nvjitlink_unavailable_reason, nvrtc_unavailable_reason, nvrtc_version
 
 __all__ = ["DEVICE_LAUNCH_FLAG", "OUT_OF_RANGE", "LAUNCHER_SOURCE", "LauncherKernels", "launcher_kernels",
            "find_cudadevrt", "device_launch_unavailable_reason", "HIP_NO_DEVICE_LAUNCH"]
@@ -102,8 +102,14 @@ def find_cudadevrt() -> str | None:
         pass
     spec = importlib.util.find_spec("nvidia")
     roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    try:  # the wheel of NVRTC's CUDA major first: nvJitLink links a device runtime of its own major
+        major = nvrtc_version()[0]
+    except Exception:
+        major = 13
+    subs = sorted(("cu13/lib", "cu12/lib", "cuda_runtime/lib"),
+                  key=lambda sub: not (sub.startswith(f"cu{major}/") or (major == 12 and sub.startswith("cuda_"))))
     for root in roots:
-        for sub in ("cu13/lib", "cu12/lib", "cuda_runtime/lib"):
+        for sub in subs:
             path = os.path.join(root, sub, "libcudadevrt.a")
             if os.path.isfile(path):
                 return path
