@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import ctypes
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -57,16 +57,15 @@ from ..padding.layout import BATCHED
 from ..runtime import Graph, GraphExec, current_runtime
 from ..runtime.jit import launch
 
-if TYPE_CHECKING:
-    from .pool import ShapeBucketPool
-
 __all__ = ["DeviceSizedCall"]
 
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 class DeviceSizedCall:
-    """Calls of one pool whose row count is a device tensor (see the module docstring).
+    """Calls of one pool whose row count is a device tensor (see the module docstring). Made by
+    ``ShapeBucketPool.device_sized``, whose internals (engine, buffers, lock) it shares; ``pool`` is typed
+    loosely because the pool module imports this one.
 
     Attributes:
         capacity: the rows every argument and output has (the pool's largest bucket).
@@ -76,7 +75,7 @@ class DeviceSizedCall:
         args, kwargs: views of the pool's static buffers at capacity rows, for zero-copy writes.
     """
 
-    def __init__(self, pool: ShapeBucketPool, example_args: tuple[Any, ...], example_kwargs: dict[str, Any], *,
+    def __init__(self, pool: Any, example_args: tuple[Any, ...], example_kwargs: dict[str, Any], *,
                  device_launch: bool = True) -> None:
         self._pool = pool
         pool.capture_all(*example_args, **example_kwargs)
