@@ -360,7 +360,8 @@ def device_generate_charts(doc: dict[str, Any]) -> list[Chart]:
         bars = tuple((k, keys.get(k, "device"), float(v["tokens_per_s"])) for k, v in r.items()
                      if isinstance(v, dict) and isinstance(v.get("tokens_per_s"), (int, float)))
         panels.append(BarPanel(case.replace(" bs", ", bs "), "tokens per second", bars))
-    return [Chart("device_generate", "Generation, EOS checked every token (greedy and sampled)", _nonempty(tuple(panels)),
+    title = "Generation, EOS checked every token (greedy and sampled)"
+    return [Chart("device_generate", title, _nonempty(tuple(panels)),
                   "Tokens/s of 256 new tokens: per-token loops (one host read per token) against the device "
                   "loop (one launch and one read per K tokens).", legend=False)]
 

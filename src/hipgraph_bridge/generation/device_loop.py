@@ -134,7 +134,8 @@ class DeviceDecodeLoop:
     """
 
     def __init__(self, step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *, batch_size: int,
-                 chunk: int = 64, device: torch.device | str | None = None, strategy: str = "auto", warmup_iters: int = 1) -> None:
+                 chunk: int = 64, device: torch.device | str | None = None, strategy: str = "auto",
+                 warmup_iters: int = 1) -> None:
         if not callable(step):
             raise TypeError(f"step: expected a callable (tokens, position) -> next tokens, got {type(step).__name__}")
         check_int("batch_size", batch_size, minimum=1)

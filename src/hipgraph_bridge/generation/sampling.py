@@ -39,8 +39,9 @@ import torch
 
 from ..errors import ConfigError
 
-__all__ = ["FUSED_BY_DEFAULT", "SamplingParams", "philox4x32", "uniform", "seed_key", "filter_logits", "filter_tensors", "filter_scores",
-           "filter_flags", "draw", "sample_tokens", "fused_unavailable_reason", "prepare_fused"]
+__all__ = ["FUSED_BY_DEFAULT", "SamplingParams", "philox4x32", "uniform", "seed_key", "filter_logits",
+           "filter_tensors", "filter_scores", "filter_flags", "draw", "sample_tokens",
+           "fused_unavailable_reason", "prepare_fused"]
 
 FUSED_BY_DEFAULT = True
 """What ``uniform(fused=None)`` does on a GPU where triton imports: the Triton kernel (True) or the torch

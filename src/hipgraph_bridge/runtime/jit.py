@@ -63,6 +63,7 @@ def nvrtc_unavailable_reason() -> str | None:
 
 
 def nvrtc_check(nvrtc: Any, call: str, err: Any, log: str = "") -> None:
+    """Raise :class:`GraphRuntimeError` with NVRTC's own message (and the program ``log``) unless ``err`` is 0."""
     code = int(getattr(err, "value", err))
     if code == 0:
         return
@@ -77,6 +78,7 @@ def nvrtc_check(nvrtc: Any, call: str, err: Any, log: str = "") -> None:
 
 
 def driver_check(driver: Any, call: str, err: Any) -> None:
+    """Raise :class:`GraphRuntimeError` with the driver's error name and string unless ``err`` is 0."""
     code = int(getattr(err, "value", err))
     if code == 0:
         return
@@ -159,9 +161,12 @@ def ensure_context(device: int) -> None:
     driver_check(driver, "cuCtxSetCurrent", err)
 
 
-
-
 def load_first(driver: Any, images: Sequence[tuple[str, bytes]]) -> tuple[Any, str]:
+    """Load the first of ``images`` ((label, bytes)) the driver accepts into the current context: (module, label).
+
+    Raises:
+        GraphRuntimeError: the driver refused every image (each refusal is in the message).
+    """
     errors: list[str] = []
     for label, image in images:
         err, module = driver.cuModuleLoadData(image)
