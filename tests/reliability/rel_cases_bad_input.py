@@ -526,14 +526,14 @@ def _b_updatable(ctx: Ctx) -> None:
     _record(ctx, expect_raises(TypeError, r"expected a torch\.cuda\.CUDAGraph", UpdatableGraph, 5, runtime=rt))
 
 
-@bad("b_launch_pipeline_arguments", "LaunchPipeline()", "instances 0 / bool / float; device_launch=True")
+@bad("b_launch_pipeline_arguments", "LaunchPipeline()", "instances 0 / bool / float; device_launch not a bool")
 def _b_pipeline(ctx: Ctx) -> None:
     rt = _FakeRuntime()
     for v in (0, True, 2.0):
         _record(ctx, expect_raises(ValueError, r"instances: expected an int >= 1", LaunchPipeline, _fake_graph(rt),
                                    runtime=rt, instances=v))
-    _record(ctx, expect_raises(NotImplementedError, r"device", LaunchPipeline, _fake_graph(rt), runtime=rt,
-                               device_launch=True))
+    _record(ctx, expect_raises(TypeError, r"device_launch: expected a bool, got str", LaunchPipeline,
+                               _fake_graph(rt), runtime=rt, device_launch="yes"))
 
 
 # ================================================================= GPU-only checks
