@@ -158,6 +158,7 @@ def fresh_dynamo():
     """Each test starts from a reset dynamo and sees only the subgraphs it compiled."""
     torch._dynamo.reset()
     gc.collect()
+    gc.freeze()  # the survivors (fake-tensor dispatch caches dynamo's reset keeps, ...): out of later collections' way
     BEFORE.clear()
     BEFORE.update(cb.compiled_subgraphs())
     SEEN.clear()

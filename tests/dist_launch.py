@@ -62,6 +62,37 @@ def launch(world: int, scenarios: list[str], *, device: str = "cpu", timeout: fl
             "returncodes": [p.returncode for p in procs]}
 
 
+def launch_groups(groups: list[tuple[int, list[str]]], *, timeout: float = 60.0) -> list[dict[str, Any]]:
+    """:func:`launch` on the CPU for several groups at once (each of its own size, port and scenarios), all
+    started together, one result per group; every rank is forked from a warm interpreter that imported torch
+    (``_warm_python``: a rank's start-up then costs no torch import). The same bound kills every rank."""
+    import _warm_python
+
+    env = {**os.environ, **NO_MULTICAST, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GFXGRAPH": "0"}
+    with tempfile.TemporaryDirectory() as tmp:
+        argvs, outs, logs, sizes = [], [], [], []
+        for g, (world, scenarios) in enumerate(groups):
+            port = free_port()
+            sizes.append(world)
+            for r in range(world):
+                outs.append(Path(tmp) / f"group{g}_rank{r}.json")
+                logs.append(Path(tmp) / f"group{g}_rank{r}.log")
+                argvs.append([str(CASES), str(r), str(world), str(port), str(outs[-1]), "cpu", *scenarios])
+        t0 = time.perf_counter()
+        returncodes, killed = _warm_python.run_group(argvs, env=env, outputs=logs, timeout=timeout)
+        seconds = time.perf_counter() - t0
+        texts = [log.read_text()[-6000:] if log.is_file() else "" for log in logs]
+        ranks = [json.loads(o.read_text()) if o.is_file() else {} for o in outs]
+    results, start = [], 0
+    for world in sizes:
+        part = slice(start, start + world)
+        results.append({"ranks": ranks[part], "seconds": seconds, "hung": [r for r, k in enumerate(killed[part]) if k],
+                        "logs": texts[part], "returncodes": returncodes[part]})
+        start += world
+    return results
+
+
 def facts(run: dict[str, Any], scenario: str) -> list[dict[str, Any]]:
     """Each rank's facts of ``scenario``, or an assertion error carrying the ranks' errors and logs."""
     got = [r.get(scenario) for r in run["ranks"]]

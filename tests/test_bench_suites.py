@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import _warm_python
 from conftest import REPO, SRC
 from gfxgraph.bench import find_suites, suite_summary
 
@@ -21,16 +22,16 @@ SUITES_DIR = SRC / "gfxgraph" / "suites"
 SUITE_FILES = sorted(p.stem for p in SUITES_DIR.glob("*.py") if not p.name.startswith("_"))
 
 
+# Each child is a process of its own, forked from a warm interpreter started with the same options and
+# PYTHONPATH (_warm_python: torch imported once, gfxgraph not; the fork starts as python -c / -m does).
 def _py(code: str, *, cwd: Path, pythonpath: Path | str = SRC) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(pythonpath)}
-    return subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=300)
+    return _warm_python.run(["-W", "ignore", "-c", code], cwd=cwd, env=env, timeout=300)
 
 
 def _cli(*args: str, cwd: Path, pythonpath: Path | str = SRC) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(pythonpath)}
-    return subprocess.run([sys.executable, "-W", "ignore", *args], capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=300)
+    return _warm_python.run(["-W", "ignore", *args], cwd=cwd, env=env, timeout=300)
 
 
 def test_every_suite_module_is_found_with_its_summary():
@@ -71,12 +72,13 @@ for name in sys.argv[1:]:
 
 @pytest.fixture(scope="module")
 def suite_imports(tmp_path_factory) -> dict[str, dict]:
-    """Every suite imported in one fresh interpreter, one after another; each import's side effects are
-    what changed across it (one interpreter instead of one per suite: the torch import is paid once)."""
+    """Every suite imported in one new process (forked from a warm interpreter that imported torch, nothing of
+    gfxgraph), one after another; each import's side effects are what changed across it (one process instead
+    of one per suite: the torch import is paid once)."""
     names = ["_common", *SUITE_FILES]
     env = {**os.environ, "PYTHONPATH": str(SRC)}
-    r = subprocess.run([sys.executable, "-W", "ignore", "-c", _IMPORT_EACH, *names], capture_output=True, text=True,
-                       cwd=tmp_path_factory.mktemp("imports"), env=env, timeout=300)
+    r = _warm_python.run(["-W", "ignore", "-c", _IMPORT_EACH, *names], cwd=tmp_path_factory.mktemp("imports"),
+                         env=env, timeout=300)
     got = {d["name"]: d for d in (json.loads(line) for line in r.stdout.splitlines() if line.startswith("{"))}
     assert r.returncode == 0 and len(got) == len(names), r.stderr[-3000:]
     return got

@@ -80,12 +80,12 @@ def test_pin_keeps_the_object_past_every_reference_and_is_idempotent():
 
 
 @pytest.mark.parametrize("pin", [False, True])
-def test_a_pinned_object_is_never_destroyed_not_even_at_interpreter_exit(py, pin):
+def test_a_pinned_object_is_never_destroyed_not_even_at_interpreter_exit(warm_py, pin):
     # The last reference dropped and a collection run (the control shows that destroys an unpinned
     # object), then the interpreter finalises (where PyTorch's abort happens): a pinned object's
     # finaliser never runs, so its C++ destructor would not either. (Whether finalisation clears
     # __main__'s globals depends on the environment, so the control does not rely on it.)
-    r = py(f"""
+    r = warm_py(f"""
         import gc, os
         from hipgraph_bridge.graph.recovery import pin_graph
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import _warm_python
 from conftest import GPU_SKIP_REASON, SRC
 from gfxgraph import cli
 from hipgraph_bridge import log
@@ -43,10 +44,11 @@ def in_process(monkeypatch, capsys):
 
 def _cli(*args: str, env: dict[str, str] | None = None,
          cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m gfxgraph ARGS`` in a process of its own, forked from a warm interpreter (_warm_python:
+    torch imported once, gfxgraph not; the fork starts as ``python -m`` does: argv, sys.path[0], cwd)."""
     full = {**os.environ, "PYTHONPATH": str(SRC)}
     full.update(env or {})
-    return subprocess.run([sys.executable, "-m", "gfxgraph", *args], capture_output=True, text=True,
-                          env=full, cwd=cwd, timeout=120)
+    return _warm_python.run(["-m", "gfxgraph", *args], env=full, cwd=cwd, timeout=120)
 
 
 def test_module_runs_script_as_main_with_its_argv_and_exit_code(tmp_path: Path):

@@ -35,6 +35,7 @@ WARNING_KEY = "inference in grad mode"
 def _fresh_dynamo():
     torch._dynamo.reset()
     gc.collect()
+    gc.freeze()  # the survivors (fake-tensor dispatch caches dynamo's reset keeps, ...): out of later collections' way
     _before.clear()
     _before.update(cb.compiled_subgraphs())
     yield

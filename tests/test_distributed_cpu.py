@@ -1,12 +1,14 @@
 """Rank agreement on CPU: gloo groups of 2 and 3 processes, and the parts that need no peers.
 
 The multi-process scenarios live in ``dist_cases.py``; each group of processes
-is started once per module (``two_ranks``, ``three_ranks``) and runs its
-scenarios one after another, so the start-up (importing torch in every
-process) is paid twice, not per test. Every launch is killed after a bound:
-a hang fails the test instead of stalling the run. Without a GPU the pools
-run ``simulate_padding=True``: each bucket's first run on the padded buffers
-stands for its capture, and every agreement round runs as it would on GPUs.
+is started once per module (``two_ranks``, ``three_ranks``, both groups at
+once) and runs its scenarios one after another, so the start-up is paid once
+per process, not per test (and torch is imported once: every rank is forked
+from a warm interpreter, see ``_warm_python``). Every launch
+is killed after a bound: a hang fails the test instead of stalling the run.
+Without a GPU the pools run ``simulate_padding=True``: each bucket's first run
+on the padded buffers stands for its capture, and every agreement round runs as
+it would on GPUs.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_launch import facts, launch
+from dist_launch import facts, launch_groups
 from hipgraph_bridge import RankAgreement, ShapeBucketPool
 from hipgraph_bridge.bucketing.pool import _pad_rows as pad_rows
 from hipgraph_bridge.fallbacks import Fallback, Reason
@@ -34,13 +36,20 @@ THREE = ["agreed_max", "fault_fallback", "raised_in_capture", "tensor_parallel_m
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    return launch(2, TWO, timeout=90)
+def _groups():
+    """Both groups started together, every rank forked from a warm interpreter (torch imported once): one
+    group's waits (a peer's timeout, a barrier) overlap the other's work. Every rank is killed after the bound."""
+    return launch_groups([(2, TWO), (3, THREE)], timeout=90)
 
 
 @pytest.fixture(scope="module")
-def three_ranks():
-    return launch(3, THREE, timeout=90)
+def two_ranks(_groups):
+    return _groups[0]
+
+
+@pytest.fixture(scope="module")
+def three_ranks(_groups):
+    return _groups[1]
 
 
 def test_the_launches_never_hang(two_ranks, three_ranks):

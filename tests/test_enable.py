@@ -104,8 +104,8 @@ def test_disable_leaves_a_foreign_patch_alone(caplog):
         torch.cuda.CUDAGraph = OriginalCUDAGraph  # type: ignore[misc]
 
 
-def test_importing_hipgraph_bridge_patches_nothing(py):
-    r = py("""
+def test_importing_hipgraph_bridge_patches_nothing(warm_py):
+    r = warm_py("""
         import torch
         before = torch.cuda.CUDAGraph
         import hipgraph_bridge
@@ -118,8 +118,8 @@ def test_importing_hipgraph_bridge_patches_nothing(py):
 
 @pytest.mark.parametrize("value,enabled,flag", [("1", True, None), ("debug", True, "debug"),
                                                  ("validate", True, "validate"), ("0", False, None)])
-def test_gfxgraph_env_auto_enables_at_import(py, value, enabled, flag):
-    r = py("""
+def test_gfxgraph_env_auto_enables_at_import(warm_py, value, enabled, flag):
+    r = warm_py("""
         import gfxgraph, torch
         from hipgraph_bridge import config
         s = config.switches
@@ -132,8 +132,8 @@ def test_gfxgraph_env_auto_enables_at_import(py, value, enabled, flag):
     assert debug == str(flag == "debug") and validate == str(flag == "validate")
 
 
-def test_gfxgraph_env_bad_value_warns_and_stays_off(py):
-    r = py("""
+def test_gfxgraph_env_bad_value_warns_and_stays_off(warm_py):
+    r = warm_py("""
         import logging; logging.basicConfig()
         import gfxgraph
         print(gfxgraph.is_enabled())
@@ -143,8 +143,8 @@ def test_gfxgraph_env_bad_value_warns_and_stays_off(py):
     assert "GFXGRAPH='sure'" in r.stderr and "1, debug, validate, 0" in r.stderr
 
 
-def test_hgb_log_level_sets_logger_level(py):
-    r = py("""
+def test_hgb_log_level_sets_logger_level(warm_py):
+    r = warm_py("""
         import logging, gfxgraph
         print(logging.getLogger("gfxgraph").level)
     """, env={"HGB_LOG_LEVEL": "error"})
@@ -152,15 +152,15 @@ def test_hgb_log_level_sets_logger_level(py):
     assert r.stdout.strip() == str(40)
 
 
-def test_import_attaches_no_handler_unless_a_level_is_asked_for(py):
+def test_import_attaches_no_handler_unless_a_level_is_asked_for(warm_py):
     code = """
         import logging, gfxgraph
         print(len(logging.getLogger("gfxgraph").handlers), logging.getLogger("gfxgraph").level)
     """
-    r = py(code, env={"GFXGRAPH_LOG_LEVEL": "", "HGB_LOG_LEVEL": "", "GFXGRAPH": ""})
+    r = warm_py(code, env={"GFXGRAPH_LOG_LEVEL": "", "HGB_LOG_LEVEL": "", "GFXGRAPH": ""})
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["0", "0"]  # Python's library convention: the application decides
-    r = py(code, env={"GFXGRAPH_LOG_LEVEL": "info"})
+    r = warm_py(code, env={"GFXGRAPH_LOG_LEVEL": "info"})
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["1", str(logging.INFO)]
 

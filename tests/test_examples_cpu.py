@@ -1,7 +1,8 @@
 """The examples run where they say they can: on this machine, eagerly when there is no GPU.
 
-Each runs in its own interpreter from the repository root, as the README's recipes are typed
-(the GPU variants with their graph checks are in test_gpu_examples.py).
+Each runs in its own process from the repository root, as the README's recipes are typed (the README's
+console-script recipe in a fresh interpreter, the others forked from a warm one that imported torch: see
+_warm_python); the GPU variants with their graph checks are in test_gpu_examples.py.
 """
 
 from __future__ import annotations
@@ -14,16 +15,18 @@ from pathlib import Path
 
 import pytest
 
+import _warm_python
 from conftest import GPU_SKIP_REASON, REPO, SRC
 
 NO_GPU = GPU_SKIP_REASON is not None
 
 
-def _run(args: list[str], env: dict[str, str] | None = None,
-         executable: str = sys.executable) -> subprocess.CompletedProcess[str]:
+def _run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python ARGS`` from the repository root, in a process of its own forked from a warm interpreter
+    (_warm_python: torch imported once, nothing of gfxgraph; the fork starts as python does: argv, sys.path[0])."""
     # PYTHONPATH names src only: `examples` must be found from the current directory, as typed.
     full = {**os.environ, "PYTHONPATH": str(SRC), **(env or {})}
-    return subprocess.run([executable, *args], capture_output=True, text=True, env=full, cwd=REPO, timeout=300)
+    return _warm_python.run(args, env=full, cwd=REPO, timeout=300)
 
 
 def _console_script(tmp_path: Path) -> str:

@@ -24,8 +24,8 @@ POOL = """
 _CLEAN = {"GFXGRAPH_LOG_LEVEL": "", "HGB_LOG_LEVEL": "", "GFXGRAPH": ""}
 
 
-def test_first_fallback_of_each_cause_reaches_stderr_without_any_configuration(py):
-    r = py(POOL, env=_CLEAN)
+def test_first_fallback_of_each_cause_reaches_stderr_without_any_configuration(warm_py):
+    r = warm_py(POOL, env=_CLEAN)
     assert r.returncode == 0, r.stderr
     # one notice per pool and cause, whatever the batch size (3 and 5 are both above the largest bucket)
     assert r.stderr.count("running eagerly (reason: oversize): batches above the largest bucket 2") == 1
@@ -34,15 +34,15 @@ def test_first_fallback_of_each_cause_reaches_stderr_without_any_configuration(p
         assert r.stderr.count("running eagerly (reason: no_gpu)") == 1
 
 
-def test_fallback_notices_can_be_silenced_alone(py):
-    r = py("import logging; logging.getLogger('gfxgraph.fallback').setLevel(logging.ERROR)\n"
+def test_fallback_notices_can_be_silenced_alone(warm_py):
+    r = warm_py("import logging; logging.getLogger('gfxgraph.fallback').setLevel(logging.ERROR)\n"
            + POOL.replace("\n    ", "\n"), env=_CLEAN)
     assert r.returncode == 0, r.stderr
     assert "running eagerly" not in r.stderr
 
 
-def test_application_logging_gets_each_notice_once(py):
-    r = py("import logging; logging.basicConfig(format='APP %(name)s %(levelname)s %(message)s')\n"
+def test_application_logging_gets_each_notice_once(warm_py):
+    r = warm_py("import logging; logging.basicConfig(format='APP %(name)s %(levelname)s %(message)s')\n"
            + POOL.replace("\n    ", "\n"), env={**_CLEAN, "GFXGRAPH_LOG_LEVEL": "info"})
     assert r.returncode == 0, r.stderr
     lines = [line for line in r.stderr.splitlines() if "reason: oversize)" in line]
@@ -51,28 +51,28 @@ def test_application_logging_gets_each_notice_once(py):
 
 
 @pytest.mark.parametrize("var", ["GFXGRAPH_LOG_LEVEL", "HGB_LOG_LEVEL"])
-def test_level_variable_sends_debug_records_to_stderr(py, var):
-    r = py("import gfxgraph; gfxgraph.enable(); print('ok')", env={**_CLEAN, var: "debug"})
+def test_level_variable_sends_debug_records_to_stderr(warm_py, var):
+    r = warm_py("import gfxgraph; gfxgraph.enable(); print('ok')", env={**_CLEAN, var: "debug"})
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("[DEBUG] gfxgraph enabled (debug=False, validate=False)") == 1
 
 
-def test_primary_level_variable_wins_over_alias(py):
-    r = py("import logging, gfxgraph; print(logging.getLogger('gfxgraph').level)",
+def test_primary_level_variable_wins_over_alias(warm_py):
+    r = warm_py("import logging, gfxgraph; print(logging.getLogger('gfxgraph').level)",
            env={**_CLEAN, "GFXGRAPH_LOG_LEVEL": "error", "HGB_LOG_LEVEL": "debug"})
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == str(logging.ERROR)
 
 
-def test_gfxgraph_debug_mode_prints_debug_records(py):
-    r = py("import gfxgraph; print(gfxgraph.is_enabled())", env={**_CLEAN, "GFXGRAPH": "debug"})
+def test_gfxgraph_debug_mode_prints_debug_records(warm_py):
+    r = warm_py("import gfxgraph; print(gfxgraph.is_enabled())", env={**_CLEAN, "GFXGRAPH": "debug"})
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "True"
     assert "[DEBUG] gfxgraph enabled (debug=True, validate=False)" in r.stderr
 
 
-def test_logging_configured_after_import_is_not_duplicated(py):
-    r = py("""
+def test_logging_configured_after_import_is_not_duplicated(warm_py):
+    r = warm_py("""
         import logging, gfxgraph
         logging.basicConfig(format="APP %(message)s")
         gfxgraph.enable()
@@ -82,14 +82,14 @@ def test_logging_configured_after_import_is_not_duplicated(py):
     assert lines == ["APP gfxgraph enabled (debug=False, validate=False)"]
 
 
-def test_bad_level_variable_is_visible_without_configuration(py):
-    r = py("import gfxgraph", env={**_CLEAN, "GFXGRAPH_LOG_LEVEL": "loud"})
+def test_bad_level_variable_is_visible_without_configuration(warm_py):
+    r = warm_py("import gfxgraph", env={**_CLEAN, "GFXGRAPH_LOG_LEVEL": "loud"})
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("GFXGRAPH_LOG_LEVEL='loud' is not understood") == 1
 
 
-def test_inductor_failure_reaches_stderr_by_default(py):
-    r = py("""
+def test_inductor_failure_reaches_stderr_by_default(warm_py):
+    r = warm_py("""
         import torch
         from hipgraph_bridge.compile import compiler
         from hipgraph_bridge.compile.options import BackendOptions

@@ -8,7 +8,8 @@ interpreter per group:
   against a small fake runtime (argument validation happens before any runtime call).
 * ``bad_input_gpu``: needs real captures (graph states, keep_graph, devices).
 * ``bad_input_env``: environment variables read at import and the CLI, each
-  in a nested fresh interpreter.
+  in a nested fresh interpreter (under pytest, a process forked from a warm
+  interpreter that imported torch only: ``tests/_warm_python.py``).
 
 "Accepted silently" (no exception) is a failure; a wrong result from accepted
 bad input is ``silent_wrong``.
@@ -29,7 +30,7 @@ import torch
 import gfxgraph
 from gfxgraph import BridgedCUDAGraph, ConfigError, GraphCompositor, LaunchPipeline, ShapeBucketPool, UpdatableGraph
 from hipgraph_bridge.runtime import Graph, Runtime, reset_runtime_cache
-from rel_registry import Ctx, SilentWrong, Skip, case
+from rel_registry import WARM_ENV, Ctx, SilentWrong, Skip, case
 from rel_tools import capturing, expect_raises
 
 ANY, GPU, ENV = "bad_input_any", "bad_input_gpu", "bad_input_env"
@@ -673,8 +674,23 @@ def _g_tier2_args(ctx: Ctx) -> None:
 def _python(code: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     full = {k: v for k, v in os.environ.items() if not k.startswith(("GFXGRAPH", "HGB_"))}
     full.update(env)
-    return subprocess.run([sys.executable, *((["-c", code]) if code else []), *args], capture_output=True,
-                          text=True, env=full, timeout=60, cwd=str(REPO))
+    argv = [*((["-c", code]) if code else []), *args]
+    warm = os.environ.get(WARM_ENV)
+    if warm:  # the pytest glue's: the same run, without a torch import of its own
+        return _warm_python(warm).run(argv, env=full, cwd=str(REPO), timeout=60)
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=full, timeout=60,
+                          cwd=str(REPO))
+
+
+def _warm_python(path: str) -> Any:
+    import importlib.util
+
+    module = sys.modules.get("_warm_python")
+    if module is None:
+        spec = importlib.util.spec_from_file_location("_warm_python", path)
+        module = sys.modules["_warm_python"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return module
 
 
 _IMPORT = "import logging, sys; {config}import gfxgraph; print('ENABLED', gfxgraph.is_enabled())"

@@ -9,6 +9,7 @@ results; each test then asserts its own case's verdict. ``known_issue`` cases ar
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -53,7 +54,10 @@ def reliability_results(request: pytest.FixtureRequest) -> Any:
             if c.unit not in todo:
                 todo.append(c.unit)
             workers = int(os.environ.get("GFXGRAPH_RELIABILITY_WORKERS", "8"))
-            for r in rel_harness.run_units(todo, scale=rel_registry.scale(), workers=workers):
+            with pytest.MonkeyPatch.context() as mp:  # nested interpreters forked from a warm one (see rel_registry)
+                mp.setenv(rel_registry.WARM_ENV, str(Path(__file__).resolve().parents[1] / "_warm_python.py"))
+                results = rel_harness.run_units(todo, scale=rel_registry.scale(), workers=workers)
+            for r in results:
                 _cache.setdefault(r["unit"], {})[r["name"]] = r
         return _cache[c.unit][case_name]
 

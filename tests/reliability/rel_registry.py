@@ -33,13 +33,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CATEGORIES", "Case", "Ctx", "SilentWrong", "Skip", "case", "cases", "units", "load", "scale"]
+__all__ = ["CATEGORIES", "Case", "Ctx", "SilentWrong", "Skip", "case", "cases", "units", "unit_cases", "load",
+           "scale"]
 
 CATEGORIES = ("fault", "bad_input", "corruption", "soak", "concurrency")
 CASE_MODULES = ("rel_cases_fault", "rel_cases_bad_input", "rel_cases_corruption", "rel_cases_soak",
                 "rel_cases_concurrency")
 SCALE_ENV = "GFXGRAPH_RELIABILITY_SCALE"
 EXTRA_ENV = "GFXGRAPH_RELIABILITY_EXTRA_CASES"  # comma-separated extra case modules (the harness self-test)
+# the path of tests/_warm_python.py, set by the pytest glue only: the cases' nested interpreters are then forked
+# from a warm one (torch imported once) instead of each importing torch
+WARM_ENV = "GFXGRAPH_RELIABILITY_WARM_PYTHON"
 
 
 class SilentWrong(Exception):
@@ -98,11 +102,24 @@ def case(name: str, category: str, *, where: str = "gpu", unit: str | None = Non
     return deco
 
 
+def extra_modules() -> list[str]:
+    """The extra case modules named in ``GFXGRAPH_RELIABILITY_EXTRA_CASES``."""
+    return [m.strip() for m in os.environ.get(EXTRA_ENV, "").split(",") if m.strip()]
+
+
 def load() -> None:
     """Import every case module (idempotent)."""
-    extra = [m.strip() for m in os.environ.get(EXTRA_ENV, "").split(",") if m.strip()]
-    for mod in (*CASE_MODULES, *extra):
+    for mod in (*CASE_MODULES, *extra_modules()):
         importlib.import_module(mod)
+
+
+def unit_cases(unit: str) -> list[Case]:
+    """The cases of ``unit`` (empty if there is none). A unit of the extra case modules (the harness
+    self-test) is found without importing the suite's own case modules, nor torch, which they import."""
+    for mod in extra_modules():
+        importlib.import_module(mod)
+    found = [c for c in _CASES.values() if c.unit == unit]
+    return found or units().get(unit, [])
 
 
 def cases() -> list[Case]:
