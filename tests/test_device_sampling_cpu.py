@@ -154,21 +154,27 @@ def test_a_refused_sampling_call_changes_nothing_and_a_capture_supersedes_iterat
 
 
 # ------------------------------------------------------------------ bodies per filter set; ragged batches
-def _sorts_while(fn) -> int:
-    """How many sorts ran during ``fn()`` (the profiler's count of aten::sort)."""
+def _sorts_while(fn) -> tuple[int, int]:
+    """How many sorts and how many topk calls ran during ``fn()`` (the profiler's aten::sort, aten::topk)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()
-    return sum(e.count for e in prof.key_averages() if e.key == "aten::sort")
+    counts = {e.key: e.count for e in prof.key_averages()}
+    return counts.get("aten::sort", 0), counts.get("aten::topk", 0)
 
 
-def test_plain_temperature_sampling_runs_no_sort_and_a_filter_runs_its_own():
+def test_plain_temperature_sampling_runs_no_sort_and_a_small_top_k_reads_a_window():
     loop = DeviceDecodeLoop(logits_step, batch_size=BATCH, chunk=4, device="cpu")
     kw = dict(max_new_tokens=8, do_sample=True, seed=4)
-    assert _sorts_while(lambda: loop.generate(FIRST, 0, temperature=0.7, **kw)) == 0
+    assert _sorts_while(lambda: loop.generate(FIRST, 0, temperature=0.7, **kw)) == (0, 0)
     assert loop.body_kind == BodyKind(sampling=True)
-    assert _sorts_while(lambda: loop.generate(FIRST, 0, top_k=5, **kw)) == 8  # one per token: top-k's
-    assert _sorts_while(lambda: loop.generate(FIRST, 0, top_k=5, top_p=0.9, **kw)) == 16  # and top-p's
-    assert _sorts_while(lambda: loop.generate(FIRST, 0, top_p=1.0, **kw)) == 0  # top_p=1 removes nothing: off
+    # top-k (with or without top-p): one topk of a 16-token window per token, no sort of the vocabulary
+    assert _sorts_while(lambda: loop.generate(FIRST, 0, top_k=5, **kw)) == (0, 8)
+    assert loop.body_kind == BodyKind(sampling=True, top_k=True, k_window=16)
+    assert _sorts_while(lambda: loop.generate(FIRST, 0, top_k=5, top_p=0.9, **kw)) == (0, 8)
+    assert _sorts_while(lambda: loop.generate(FIRST, 0, top_p=0.9, **kw)) == (8, 0)  # top-p alone: a sort
+    assert _sorts_while(lambda: loop.generate(FIRST, 0, top_k=2000, top_p=0.9, **kw)) == (8, 0)  # one, shared
+    assert loop.body_kind.k_window is None
+    assert _sorts_while(lambda: loop.generate(FIRST, 0, top_p=1.0, **kw)) == (0, 0)  # top_p=1 removes nothing: off
 
 
 @pytest.mark.parametrize("settings", [{"temperature": 0.7}, {"top_k": 5}, {"top_p": 0.8},
@@ -179,8 +185,9 @@ def test_switching_filters_recaptures_and_keeps_the_reference_tokens(settings):
     got = loop.generate(FIRST, 2, max_new_tokens=12, do_sample=True, seed=99, **settings)
     assert torch.equal(got, reference(FIRST, 2, 12, SamplingParams(do_sample=True, seed=99, **settings)))
     assert loop.captured_for(True, top_k=settings.get("top_k"), top_p=settings.get("top_p"))
-    # a body is per filter set, not per value: any k and p share the one with both filters on
-    assert loop.captured_for(True, top_k=50, top_p=0.5) == ("top_k" in settings and "top_p" in settings)
+    # a body is per filter set and top-k window, not per value: k in 1..16 and any p share the one of (3, 0.9)
+    assert loop.captured_for(True, top_k=12, top_p=0.5) == ("top_k" in settings and "top_p" in settings)
+    assert not loop.captured_for(True, top_k=17, top_p=0.5)  # the next window: a capture
 
 
 def reference_ragged(first: torch.Tensor, start: torch.Tensor, new: int, params: SamplingParams) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Sampling inside the device loop on a GPU: the native WHILE loop and the host loop (HIP's strategy, forced on
 CUDA) draw the reference sampler's tokens for every chunk size, filter set and ragged batch; the reference's
 draws on the GPU follow the filtered distribution (chi-square over 200,000 draws); the fused Triton uniform
-kernel gives the torch reference's bits, in and out of a captured graph."""
+kernel gives the torch reference's bits and the fused Gumbel-max draw its tokens, in and out of a captured
+graph."""
 
 from __future__ import annotations
 
@@ -171,6 +172,54 @@ def test_fused_uniform_replays_in_a_captured_graph_without_a_warm_up():
         key.copy_(seed_key(9 + step % 3, "cuda"))
         g.replay()
         assert torch.equal(out, uniform(key, seq, pos, fused=False)), step
+
+
+@pytest.mark.parametrize("vocab", [7, 2048, 2049, 32000, 128256])
+def test_fused_draw_equals_the_reference(vocab):
+    """The Gumbel-max kernel against the torch reference on the GPU: the same tokens for every row (a
+    quarter of the tokens removed), one block and many, a 0-dim and a per-row position, and a non-contiguous
+    row stride."""
+    _triton_or_skip()
+    from hipgraph_bridge.generation.sampling import draw
+
+    g = torch.Generator(device="cuda").manual_seed(vocab)
+    scores = torch.randn(6, vocab, device="cuda", generator=g) * 3
+    scores[torch.rand(6, vocab, device="cuda", generator=g) < 0.25] = -float("inf")
+    seq = torch.arange(6, device="cuda")
+    for seed in (0, 17, 2**64 - 1):
+        for pos in (torch.tensor(2**32 + 3, device="cuda"), torch.tensor([0, 1, 5, 9, 2**40, 7], device="cuda")):
+            fused = draw(scores, seed, seq, pos, fused=True)
+            assert fused.dtype == torch.long and fused.shape == (6,)
+            assert torch.equal(fused, draw(scores, seed, seq, pos, fused=False)), (seed, pos)
+            assert scores.gather(1, fused.view(6, 1)).isfinite().all()
+    wide = torch.randn(6, 2 * vocab, device="cuda", generator=g)[:, ::2]  # a row stride of 2 * vocab, step 2
+    assert torch.equal(draw(wide, 3, seq, pos, fused=True), draw(wide, 3, seq, pos, fused=False))
+
+
+def test_fused_draw_replays_in_a_captured_graph_and_its_draws_follow_the_softmax():
+    """The draw captured once after prepare_fused(): each replay reads new positions from the buffer; over
+    200,000 replays' worth of rows (one graph of 4,000 rows, 50 positions) the tokens follow the softmax."""
+    _triton_or_skip()
+    from hipgraph_bridge.generation.sampling import draw
+
+    assert sampling.prepare_fused("cuda") is True
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0], device="cuda")
+    scores = logits.expand(4000, -1).contiguous()
+    key, seq = seed_key(31, "cuda"), torch.arange(4000, device="cuda")
+    pos = torch.zeros((), dtype=torch.long, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, capture_error_mode="thread_local"):
+        out = draw(scores, key, seq, pos)
+    counts = torch.zeros(8, dtype=torch.float64, device="cuda")
+    for step in range(50):
+        pos.fill_(step)
+        g.replay()
+        if step < 3:
+            assert torch.equal(out, draw(scores, key, seq, pos, fused=False)), step
+        counts += torch.bincount(out, minlength=8).double()
+    expected = logits.softmax(-1).double() * 200_000
+    chi2 = (((counts - expected) ** 2) / expected).sum().item()
+    assert chi2 < 24.32, (chi2, counts.tolist())  # 7 degrees of freedom, p = 0.001
 
 
 @pytest.mark.parametrize("strategy", ["native", "host"])

@@ -169,3 +169,70 @@ def test_filters_that_are_off_are_left_out_with_the_same_scores():
         assert torch.equal(filter_scores(logits, *settings, use_top_k=use_k, use_top_p=use_p), full), (t, k, p)
     assert filter_flags(None, None) == (False, False) and filter_flags(0, 1.0) == (False, False)
     assert filter_flags(5, 0.9) == (True, True)
+
+
+# ------------------------------------------------------------------ top-k's window; the Gumbel-max draw
+def test_the_top_k_window_is_a_power_of_two_and_large_k_sorts():
+    from hipgraph_bridge.generation.sampling import WINDOW_MAX, top_k_window
+
+    assert [top_k_window(k) for k in (None, 0, 1, 16, 17, 50, 64, 65, WINDOW_MAX)] == \
+        [None, None, 16, 16, 32, 64, 64, 128, WINDOW_MAX]
+    assert top_k_window(WINDOW_MAX + 1) is None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_window_removes_the_tokens_the_sort_removes(seed):
+    """top-k then top-p from a topk window against the one-sort path (transformers' arithmetic), on logits
+    without ties: the same tokens removed, for every k in the window and several p."""
+    from hipgraph_bridge.generation.sampling import filter_scores, filter_tensors
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(4, 3000, generator=g) * (1 + seed)
+    for k, p in [(1, 0.5), (7, 0.9), (50, 0.9), (50, 0.3), (64, 0.99), (40, 0.05)]:
+        settings = filter_tensors(0.8, k, p, logits.shape[-1], "cpu")
+        window = filter_scores(logits, *settings, k_window=64)
+        sort = filter_scores(logits, *settings)
+        assert torch.equal(window.isinf(), sort.isinf()), (k, p)
+        assert torch.equal(window, sort)
+
+
+def test_ties_at_the_kth_value_beyond_the_window_are_counted_over_the_vocabulary():
+    """40 tokens tie at the k-th value, more than a 16-token window holds: top-p removes as many of them as
+    transformers does (which ones it removes follows its unstable sort; here the lowest ids go first)."""
+    transformers = pytest.importorskip("transformers")
+    from hipgraph_bridge.generation.sampling import filter_scores, filter_tensors
+
+    logits = torch.full((1, 200), -8.0)
+    logits[0, [3, 78, 150]] = torch.tensor([4.0, 3.0, 2.5])
+    tied = torch.arange(20, 140, 3)  # 40 tokens at 0.0
+    logits[0, tied] = 0.0
+    for k, p in [(10, 0.9), (10, 0.99), (10, 0.999), (3, 0.5), (4, 0.999999)]:
+        want = transformers.TopPLogitsWarper(p)(None, transformers.TopKLogitsWarper(k)(None, logits.clone()))
+        got = filter_scores(logits, *filter_tensors(1.0, k, p, 200, "cpu"), k_window=16)
+        assert int(got.isfinite().sum()) == int(want.isfinite().sum()), (k, p)
+        assert torch.equal(got[0, [3, 78, 150]].isfinite(), want[0, [3, 78, 150]].isfinite()), (k, p)
+        kept_ties = tied[got[0, tied].isfinite()]
+        assert torch.equal(kept_ties, tied[len(tied) - len(kept_ties):]), (k, p)  # the highest ids stay
+    every_tied = torch.zeros(1, 50)  # the largest value tied too: one token stays whatever p
+    got = filter_scores(every_tied, *filter_tensors(1.0, 5, 0.01, 50, "cpu"), k_window=16)
+    assert int(got.isfinite().sum()) == 1
+
+
+def test_the_draw_is_gumbel_max_over_the_streams_lanes():
+    """Token v of a row takes the uniform number of lane v + 1 at the row's (seed, sequence, position): the draw
+    is the argmax of score - log(-log(u)); lane 0 (uniform()) is not one of them; a removed token never wins."""
+    from hipgraph_bridge.generation.sampling import _reference_uniform, draw, seed_key
+
+    scores = torch.randn(3, 30)
+    scores[:, ::2] = -math.inf
+    seq, pos = torch.tensor([0, 1, 2]), torch.tensor([5, 5, 2**33])
+    u = _reference_uniform(seed_key(9, "cpu"), seq.view(3, 1), pos.view(3, 1), torch.arange(1, 31).view(1, 30))
+    want = (scores.double() - torch.log(-torch.log(u))).argmax(-1)
+    got = draw(scores, 9, seq, pos)
+    assert torch.equal(got, want) and (got % 2 == 1).all()
+    assert torch.equal(u[:, 0], _reference_uniform(seed_key(9, "cpu"), seq, pos, torch.ones(3, dtype=torch.long)))
+    assert not torch.equal(u[:, 0], uniform(9, seq, pos))  # lane 0 is another number
+    assert torch.equal(draw(scores, seed_key(9, "cpu"), seq, pos), got)  # an int seed or its key
+    assert torch.equal(draw(scores[1:2], 9, torch.tensor(1), torch.tensor(5)), got[1:2])  # one row alone
+    with pytest.raises(RuntimeError, match=r"draw\(fused=True\)"):
+        draw(scores, 9, seq, pos, fused=True)

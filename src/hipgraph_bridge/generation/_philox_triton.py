@@ -1,4 +1,4 @@
-"""Philox4x32-10 uniform numbers in one Triton kernel: the fused form of :func:`.sampling.uniform`.
+"""Philox4x32-10 in Triton: the fused forms of :func:`.sampling.uniform` and :func:`.sampling.draw`.
 
 The reference in :mod:`.sampling` builds Philox out of int64 torch ops (32-bit
 words emulated in 16-bit halves): about 300 small kernels per call, which a
@@ -13,6 +13,11 @@ CUDA tensor asks for a uniform number (triton ships with PyTorch's CUDA and
 ROCm builds, not with the CPU build, and its import costs time that ``import
 gfxgraph`` should not pay). Nothing here uses triton's own random-number
 helpers (private, and their key schedule is theirs): the rounds are written out.
+
+The draw (:func:`gumbel_max_fused`) runs the same rounds once per token of the
+vocabulary, adds the Gumbel noise to the scores in float64 and keeps each
+block's largest: a step pays one pass over its logits, as ``argmax`` does,
+where an inverse-CDF draw pays a softmax, a float64 scan and a search.
 
 Capture: the kernel allocates nothing but its output (``torch.empty`` on the
 caller's stream, which a capture routes to its pool) and reads nothing on the
@@ -31,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["uniform_fused", "prepare"]
+__all__ = ["uniform_fused", "gumbel_max_fused", "prepare"]
 
 # Integer literals above 2**31 are uint32 in triton: the products and sums below wrap at 32 bits,
 # as Philox's words do.
@@ -40,6 +45,25 @@ _M1: tl.constexpr = tl.constexpr(0xCD9E8D57)
 _W0: tl.constexpr = tl.constexpr(0x9E3779B9)  # Weyl key increments
 _W1: tl.constexpr = tl.constexpr(0xBB67AE85)
 _BLOCK = 256
+_VOCAB_BLOCK = 2048  # tokens per program of the Gumbel-max kernel: 16 programs a row at 32k, 63 at 128k
+
+
+@triton.jit
+def _philox_uniform(c0, c1, c2, c3, k0, k1):
+    """Philox4x32-10 of the counter ``(c0, c1, c2, c3)`` under the key ``(k0, k1)`` (uint32 words), made
+    into the reference's uniform number: 27 bits of word 0 and 26 of word 1, an integer below 2**53
+    scaled by 2**-53 (every step exact)."""
+    for _ in tl.static_range(10):
+        hi0 = tl.umulhi(c0, _M0)
+        lo0 = c0 * _M0
+        hi1 = tl.umulhi(c2, _M1)
+        lo1 = c2 * _M1
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = k0 + _W0  # the key bump after the last round is never used
+        k1 = k1 + _W1
+    a = (c0 >> 5).to(tl.float64)
+    b = (c1 >> 6).to(tl.float64)
+    return (a * 67108864.0 + b) * (1.0 / 9007199254740992.0)
 
 
 @triton.jit(do_not_specialize=["n", "seq_stride", "pos_stride"])
@@ -52,24 +76,36 @@ def _philox_uniform_kernel(key_ptr, seq_ptr, pos_ptr, out_ptr, n, seq_stride, po
     # the key: the seed's two 32-bit halves, held in int64 (an int64 -> uint32 cast keeps the low word)
     k0 = tl.load(key_ptr).to(tl.uint32)
     k1 = tl.load(key_ptr + 1).to(tl.uint32)
-    # the counter (position low word, sequence, position high word, 0), as the reference builds it
+    # the counter (position low word, sequence, position high word, lane 0), as the reference builds it
     c0 = pos.to(tl.uint32)
-    c1 = seq.to(tl.uint32)
-    c2 = (pos >> 32).to(tl.uint32)
-    c3 = tl.zeros_like(c0)
-    for _ in tl.static_range(10):
-        hi0 = tl.umulhi(c0, _M0)
-        lo0 = c0 * _M0
-        hi1 = tl.umulhi(c2, _M1)
-        lo1 = c2 * _M1
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-        k0 = k0 + _W0  # the key bump after the last round is never used
-        k1 = k1 + _W1
-    # 27 bits of word 0 and 26 of word 1: an integer below 2**53, scaled by 2**-53 (every step exact)
-    a = (c0 >> 5).to(tl.float64)
-    b = (c1 >> 6).to(tl.float64)
-    u = (a * 67108864.0 + b) * (1.0 / 9007199254740992.0)
+    u = _philox_uniform(c0, seq.to(tl.uint32), (pos >> 32).to(tl.uint32), tl.zeros_like(c0), k0, k1)
     tl.store(out_ptr + offs, u, mask=inside)
+
+
+@triton.jit(do_not_specialize=["vocab", "row_stride", "seq_stride", "pos_stride", "blocks"])
+def _gumbel_max_kernel(scores_ptr, key_ptr, seq_ptr, pos_ptr, best_ptr, arg_ptr, vocab, row_stride,
+                       seq_stride, pos_stride, blocks, BLOCK: tl.constexpr):
+    """One block of one row: the largest ``score + Gumbel noise`` (float64) and its token, ties to the
+    lowest token (``torch.argmax``'s rule), written to ``best``/``arg`` at ``(row, block)``."""
+    row = tl.program_id(0)
+    blk = tl.program_id(1)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < vocab
+    s = tl.load(scores_ptr + row * row_stride + offs, mask=inside, other=float("-inf")).to(tl.float64)
+    seq = tl.load(seq_ptr + row * seq_stride)
+    pos = tl.load(pos_ptr + row * pos_stride)
+    k0 = tl.load(key_ptr).to(tl.uint32)
+    k1 = tl.load(key_ptr + 1).to(tl.uint32)
+    lane = (offs + 1).to(tl.uint32)  # token v's number is lane v + 1 (lane 0: the token-level stream)
+    c0 = tl.zeros_like(lane) + pos.to(tl.uint32)
+    c1 = tl.zeros_like(lane) + seq.to(tl.uint32)
+    c2 = tl.zeros_like(lane) + (pos >> 32).to(tl.uint32)
+    u = _philox_uniform(c0, c1, c2, lane, k0, k1)
+    noisy = s - tl.log(-tl.log(u))  # u = 0: -inf, never drawn (as the reference)
+    noisy = tl.where(inside, noisy, float("-inf"))
+    best, arg = tl.max(noisy, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(best_ptr + row * blocks + blk, best)
+    tl.store(arg_ptr + row * blocks + blk, (blk * BLOCK + arg).to(tl.int64))
 
 
 def uniform_fused(key: torch.Tensor, sequence: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -92,7 +128,30 @@ def uniform_fused(key: torch.Tensor, sequence: torch.Tensor, position: torch.Ten
     return out
 
 
+def gumbel_max_fused(scores: torch.Tensor, key: torch.Tensor, sequence: torch.Tensor,
+                     position: torch.Tensor) -> torch.Tensor:
+    """:func:`.sampling.draw` in one kernel and a two-op reduction: ``scores`` ``(batch, vocab)`` float32
+    (removed tokens ``-inf``), ``key`` a ``(2,)`` int64 tensor, ``sequence`` and ``position`` int64
+    tensors that broadcast to ``(batch,)``, all on one GPU. Long ``(batch,)``.
+
+    Cost: one kernel over the vocabulary (``batch * ceil(vocab / 2048)`` programs), then an argmax and
+    a gather over those blocks; allocates ``(batch, blocks)`` float64 and int64 (a capture's pool)."""
+    b, vocab = scores.shape
+    seq, pos = (t.expand(b) for t in torch.broadcast_tensors(sequence.reshape(-1), position.reshape(-1)))
+    blocks = triton.cdiv(vocab, _VOCAB_BLOCK)
+    best = torch.empty(b, blocks, dtype=torch.float64, device=scores.device)
+    arg = torch.empty(b, blocks, dtype=torch.int64, device=scores.device)
+    if scores.stride(-1) != 1:
+        scores = scores.contiguous()
+    with torch.cuda.device(key.device) if key.device.type == "cuda" else contextlib.nullcontext():
+        _gumbel_max_kernel[(b, blocks)](scores, key, seq, pos, best, arg, vocab, scores.stride(0),
+                                        seq.stride(0), pos.stride(0), blocks, BLOCK=_VOCAB_BLOCK)
+    return arg.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1)
+
+
 def prepare(device: torch.device) -> None:
-    """Compile and load the kernel for ``device`` now (a first call does it; a capture must not)."""
+    """Compile and load the kernels for ``device`` now (a first call does it; a capture must not)."""
     one = torch.zeros(1, dtype=torch.int64, device=device)
-    uniform_fused(torch.zeros(2, dtype=torch.int64, device=device), one, one)
+    key = torch.zeros(2, dtype=torch.int64, device=device)
+    uniform_fused(key, one, one)
+    gumbel_max_fused(torch.zeros(1, 4, dtype=torch.float32, device=device), key, one, one)

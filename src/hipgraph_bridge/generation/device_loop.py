@@ -47,10 +47,11 @@ whatever the chunk size and the strategy. The settings live in device buffers
 written per generation; greedy and sampling bodies are captured separately
 (switching recaptures the loop), so greedy decoding pays nothing for sampling.
 The same holds for the filters: a body is captured for the filters that are on
-(top-k, top-p), so plain temperature sampling runs neither full-vocabulary sort;
-changing a filter's value needs no capture, turning one on or off does. On a
-GPU the random numbers come from one Triton kernel (:mod:`._philox_triton`,
-compiled and loaded before the capture), the same bits as the torch reference.
+(top-k, top-p, and top-k's ``topk`` window, a power of two), so plain
+temperature sampling does no work for them; changing a filter's value within
+its window needs no capture, turning one on or off does. On a GPU the draw is
+one Triton kernel over the logits (:mod:`._philox_triton`, compiled and loaded
+before the capture), the same tokens as the torch reference.
 
 Ragged batches: ``position`` may be one position per sequence, a ``(batch_size,)``
 tensor (left-padded prompts of different lengths); the step then receives a
@@ -76,7 +77,7 @@ from ..conditional.kernels import DECODE_STEP_MAX_BATCH, MAX_EOS_IDS
 from ..conditional.loop import LOOP_STRATEGIES
 from ..conditional.native_nodes import NativeConditional
 from ..tree import describe
-from .sampling import SamplingParams, draw, filter_flags, filter_scores, prepare_fused, seed_key, uniform
+from .sampling import SamplingParams, draw, filter_flags, filter_scores, prepare_fused, seed_key, top_k_window
 
 __all__ = ["DeviceDecodeLoop", "BodyKind"]
 
@@ -94,17 +95,20 @@ class BodyKind:
     captures the loop again; the values of the settings live in device buffers and need no capture).
 
     ``sampling``: draw (else argmax); ``top_k``/``top_p``: that filter is on (sampling only: it may
-    remove tokens, so its sort over the vocabulary runs); ``ragged``: one position per sequence."""
+    remove tokens, so its work over the vocabulary runs); ``k_window``: top-k's ``topk`` window
+    (:func:`.sampling.top_k_window`: a power of two, so values of k in one window share the body;
+    None: a sort); ``ragged``: one position per sequence."""
 
     sampling: bool = False
     top_k: bool = False
     top_p: bool = False
     ragged: bool = False
+    k_window: int | None = None
 
     @classmethod
     def of(cls, do_sample: bool, top_k: int | None, top_p: float | None, ragged: bool) -> BodyKind:
         use_k, use_p = filter_flags(top_k, top_p) if do_sample else (False, False)
-        return cls(do_sample, use_k, use_p, ragged)
+        return cls(do_sample, use_k, use_p, ragged, top_k_window(top_k) if use_k else None)
 
 
 _IDS_ONLY = ("do_sample=True: expected a step that returns (batch_size, vocab) logits; this step returns token "
@@ -201,8 +205,8 @@ class DeviceDecodeLoop:
             self.returns_logits = True
             if kind.sampling:
                 scores = filter_scores(nxt, self._temperature, self._top_k, self._top_p_cut,
-                                       use_top_k=kind.top_k, use_top_p=kind.top_p)
-                nxt = draw(scores, uniform(self._key, self._sequences, pos))
+                                       use_top_k=kind.top_k, use_top_p=kind.top_p, k_window=kind.k_window)
+                nxt = draw(scores, self._key, self._sequences, pos)
             else:
                 nxt = nxt.argmax(dim=-1)
         elif not isinstance(nxt, torch.Tensor) or nxt.numel() != self.batch_size or nxt.is_floating_point():

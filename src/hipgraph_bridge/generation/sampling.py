@@ -22,9 +22,20 @@ A token is drawn as ``generate(do_sample=True)`` draws it, in transformers'
 order: the logits divided by ``temperature``, then top-k (every logit below
 the k-th largest removed; ties kept), then top-p (the smallest tokens whose
 probabilities add up to at most ``1 - top_p`` removed, at least one token
-kept), then one token from the softmax of what is left, by the inverse of its
-cumulative distribution (in vocabulary order, in float64) at a uniform number
-in [0, 1) made from two Philox words (53 bits).
+kept), then one token from the softmax of what is left. The draw is the
+Gumbel-max form of that softmax: each token ``v`` gets its own uniform number
+``u`` (the stream's lane ``v + 1``; lane 0 is :func:`uniform`'s) and the token
+with the largest ``score - log(-log(u))`` (float64) is drawn, which is exactly
+a draw from the softmax of the scores (Gumbel 1954; Maddison et al., "A* Sampling",
+NIPS 2014), in one pass over the logits, as ``argmax`` is.
+
+Top-k with a small k reads the k-th largest logit from ``topk`` over a window
+of at least k (a power of two, :func:`top_k_window`) instead of a sort of the
+vocabulary, and top-p then works on that window: every survivor above the
+k-th value is in it, and the tokens tied at the k-th value are counted over
+the vocabulary. transformers orders tied tokens by an unstable sort, so which
+of several tied tokens top-p removes is not defined there; here the tied
+tokens at the k-th value go in vocabulary order (lowest id removed first).
 """
 
 from __future__ import annotations
@@ -39,8 +50,8 @@ import torch
 
 from ..errors import ConfigError
 
-__all__ = ["FUSED_BY_DEFAULT", "SamplingParams", "philox4x32", "uniform", "seed_key", "filter_logits",
-           "filter_tensors", "filter_scores", "filter_flags", "draw", "sample_tokens",
+__all__ = ["FUSED_BY_DEFAULT", "WINDOW_MAX", "SamplingParams", "philox4x32", "uniform", "seed_key", "filter_logits",
+           "filter_tensors", "filter_scores", "filter_flags", "top_k_window", "draw", "sample_tokens",
            "fused_unavailable_reason", "prepare_fused"]
 
 FUSED_BY_DEFAULT = True
@@ -136,27 +147,40 @@ def uniform(seed: int | torch.Tensor, sequence: torch.Tensor, position: torch.Te
     """
     seq, pos = torch.broadcast_tensors(sequence.to(torch.int64), position.to(torch.int64))
     key = seed_key(seed, seq.device) if isinstance(seed, int) else seed
-    if fused is None:  # a key on a CUDA (or ROCm) device: the GPU is there, triton decides
-        fused = (FUSED_BY_DEFAULT and key.device.type == "cuda" and key.shape == (2,)
-                 and _load_fused()[0] is not None)
-    elif fused:
-        why = fused_unavailable_reason() if key.device.type == "cuda" else f"the tensors are on {key.device}"
-        if why is None and key.shape != (2,):
-            why = f"it takes one (2,) key (seed_key), got a key of shape {tuple(key.shape)}"
-        if why is not None:
-            raise RuntimeError(f"uniform(fused=True): the Triton kernel cannot run: {why}; fused=None picks the "
-                               "torch reference then")
-    if fused:
+    if _fused_wanted(key, fused, "uniform"):
         if seq.device != key.device:
             raise ValueError(f"uniform: expected sequence and position on the key's device {key.device}, "
                              f"got {seq.device}")
         return _fused_module().uniform_fused(key.to(torch.int64), seq, pos)
-    zero = torch.zeros_like(seq)
-    counter = torch.stack((pos & _MASK, seq & _MASK, (pos >> 32) & _MASK, zero), dim=-1)
+    return _reference_uniform(key, seq, pos, torch.zeros_like(seq))
+
+
+def _reference_uniform(key: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:
+    """The uniform numbers of counters ``(position low word, sequence, position high word, lane)`` under
+    ``key``, in torch ops: 27 bits of Philox's word 0 and 26 of word 1, scaled by 2**-53."""
+    seq, pos, lane = torch.broadcast_tensors(seq, pos, lane)
+    counter = torch.stack((pos & _MASK, seq & _MASK, (pos >> 32) & _MASK, lane & _MASK), dim=-1)
     words = philox4x32(counter, key)
     a = (words[..., 0] >> 5).to(torch.float64)  # 27 bits
     b = (words[..., 1] >> 6).to(torch.float64)  # 26 bits
     return (a * 67108864.0 + b) * (1.0 / 9007199254740992.0)
+
+
+def _fused_wanted(key: torch.Tensor, fused: bool | None, caller: str) -> bool:
+    """Whether ``caller`` runs its Triton kernel for ``key``: None picks it on a CUDA (or ROCm) device where
+    triton imports (unless :data:`FUSED_BY_DEFAULT` is False); True demands it (``RuntimeError`` naming why
+    it cannot run)."""
+    if fused is None:
+        return (FUSED_BY_DEFAULT and key.device.type == "cuda" and key.shape == (2,)
+                and _load_fused()[0] is not None)
+    if fused:
+        why = fused_unavailable_reason() if key.device.type == "cuda" else f"the tensors are on {key.device}"
+        if why is None and key.shape != (2,):
+            why = f"it takes one (2,) key (seed_key), got a key of shape {tuple(key.shape)}"
+        if why is not None:
+            raise RuntimeError(f"{caller}(fused=True): the Triton kernel cannot run: {why}; fused=None picks the "
+                               "torch reference then")
+    return fused
 
 
 @functools.cache
@@ -201,7 +225,7 @@ def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | N
     rules; removed tokens hold ``-inf``. Float32 (as transformers computes them)."""
     use_top_k, use_top_p = filter_flags(top_k, top_p)
     return filter_scores(logits, *filter_tensors(temperature, top_k, top_p, logits.shape[-1], logits.device),
-                         use_top_k=use_top_k, use_top_p=use_top_p)
+                         use_top_k=use_top_k, use_top_p=use_top_p, k_window=top_k_window(top_k))
 
 
 def filter_flags(top_k: int | None, top_p: float | None) -> tuple[bool, bool]:
@@ -222,26 +246,92 @@ def filter_tensors(temperature: float, top_k: int | None, top_p: float | None, v
     return t, k, cut
 
 
+WINDOW_MAX = 1024
+"""The largest top-k window (:func:`top_k_window`): a larger k sorts the vocabulary (``topk`` of a few
+thousand costs what a sort does)."""
+
+
+def top_k_window(top_k: int | None) -> int | None:
+    """The ``topk`` window that serves a top-k of ``top_k``: the power of two >= k (at least 16, so that
+    nearby values of k share a captured body), or None (no top-k, or k above :data:`WINDOW_MAX`: a sort)."""
+    if top_k is None or top_k <= 0 or top_k > WINDOW_MAX:
+        return None
+    return max(16, 1 << (top_k - 1).bit_length())
+
+
 def filter_scores(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p_cut: torch.Tensor, *, use_top_k: bool = True, use_top_p: bool = True) -> torch.Tensor:
+                  top_p_cut: torch.Tensor, *, use_top_k: bool = True, use_top_p: bool = True,
+                  k_window: int | None = None) -> torch.Tensor:
     """:func:`filter_logits` with its settings as device tensors (:func:`filter_tensors`): no host read,
     so it runs inside a captured graph; every strategy draws through it.
 
-    ``use_top_k``/``use_top_p`` (host flags, :func:`filter_flags`) leave a filter out, with its sort over
+    ``use_top_k``/``use_top_p`` (host flags, :func:`filter_flags`) leave a filter out, with its work over
     the vocabulary: a filter that is off (k = the vocabulary, cut = -1) removes nothing, so leaving it
-    out gives the same scores bit for bit; the flags only say which settings may remove tokens."""
+    out gives the same scores bit for bit; the flags only say which settings may remove tokens.
+
+    ``k_window`` (an int >= the k in ``top_k``, :func:`top_k_window`): top-k reads the k-th value from
+    ``topk`` over that many tokens, and top-p works on them (see :func:`_window_top_p`), instead of a
+    sort of the vocabulary. Without it, top-k and top-p share one sort (top-k on its own sorts too).
+    The k-th value is the same either way; top-p's sums are added in another order (the same tokens
+    removed but where a sum lies within rounding of the cut) and its ties at the k-th value go in
+    vocabulary order."""
     scores = logits.float() / temperature
-    if use_top_k:
-        descending = scores.sort(dim=-1, descending=True).values
-        k = (top_k - 1).clamp(min=0, max=scores.shape[-1] - 1)  # a k above the vocabulary keeps every token
-        kth = descending.gather(-1, k.view(1, 1).expand(scores.shape[0], 1))
+    vocab = scores.shape[-1]
+    rows = scores.shape[0]
+    if use_top_k and k_window is not None and k_window < vocab:
+        window, index = scores.topk(k_window, dim=-1)  # descending
+        k = (top_k - 1).clamp(min=0, max=k_window - 1)
+        kth = window.gather(-1, k.view(1, 1).expand(rows, 1))
+        if not use_top_p:
+            return scores.masked_fill(scores < kth, -math.inf)
+        return scores.masked_fill(_window_top_p(scores, window, index, kth, top_p_cut), -math.inf)
+    if not use_top_p:
+        if use_top_k:
+            descending = scores.sort(dim=-1, descending=True).values
+            k = (top_k - 1).clamp(min=0, max=vocab - 1)  # a k above the vocabulary keeps every token
+            kth = descending.gather(-1, k.view(1, 1).expand(rows, 1))
+            scores = scores.masked_fill(scores < kth, -math.inf)
+        return scores
+    ascending, order = torch.sort(scores, dim=-1, descending=False)
+    if use_top_k:  # the sorted top-k-filtered scores are the sorted scores with the same tokens removed
+        k = (top_k - 1).clamp(min=0, max=vocab - 1)
+        kth = ascending.gather(-1, (vocab - 1 - k).view(1, 1).expand(rows, 1))
         scores = scores.masked_fill(scores < kth, -math.inf)
-    if use_top_p:
-        ascending, order = torch.sort(scores, dim=-1, descending=False)
-        remove = ascending.softmax(dim=-1).cumsum(dim=-1) <= top_p_cut
-        remove[..., -1:] = False  # at least one token stays
-        scores = scores.masked_fill(remove.scatter(-1, order, remove), -math.inf)
-    return scores
+        ascending = ascending.masked_fill(ascending < kth, -math.inf)
+    remove = ascending.softmax(dim=-1).cumsum(dim=-1) <= top_p_cut
+    remove[..., -1:] = False  # at least one token stays
+    return scores.masked_fill(remove.scatter(-1, order, remove), -math.inf)
+
+
+def _window_top_p(scores: torch.Tensor, window: torch.Tensor, index: torch.Tensor, kth: torch.Tensor,
+                  cut: torch.Tensor) -> torch.Tensor:
+    """Which tokens top-k and then top-p remove, from ``topk``'s ``window`` (descending) and ``index``
+    and the k-th value ``kth`` (``(rows, 1)``): a ``(rows, vocab)`` bool mask.
+
+    The survivors of top-k are the tokens >= ``kth``. Those above it number fewer than k, so all are in
+    the window; those equal to it (``m`` of them) may not be, and are counted over the vocabulary.
+    transformers' top-p adds the survivors' probabilities from the smallest up and removes each token
+    whose running sum is <= ``cut``: the ``m`` tied tokens come first (the j-th removed when
+    ``j * p_kth <= cut``; here in vocabulary order), then the window's tokens above ``kth``, whose
+    running sums are ``m * p_kth`` plus a suffix sum of the window. The largest token always stays."""
+    above = window > kth
+    ties = scores == kth
+    m = ties.sum(dim=-1, keepdim=True)
+    top = window[:, :1]
+    e_above = torch.exp(window - top).masked_fill(~above, 0.0)
+    e_tie = torch.exp(kth - top)
+    z = e_above.sum(dim=-1, keepdim=True) + m * e_tie
+    p_tie = e_tie / z
+    running = m * p_tie + (e_above / z).flip(-1).cumsum(dim=-1).flip(-1)
+    gone_above = above & (running <= cut)
+    gone_above[:, :1] = False  # the largest token (above the k-th value or not, it is never removed)
+    # ties removed: the j with j * p_tie <= cut; if none is above (the largest is tied), one tie stays
+    # (tokens tied at -inf have p_tie 0: the quotient is inf, clamped before the cast; all go, as they would)
+    fit = torch.floor(cut / p_tie).clamp(min=0, max=scores.shape[-1]).long()
+    gone_ties = torch.minimum(fit, m - (~above[:, :1]).long()).clamp(min=0)
+    rank = ties.long().cumsum(dim=-1)  # 1 for the first tied token in vocabulary order
+    removed = (scores < kth) | (ties & (rank <= gone_ties))
+    return removed | torch.zeros_like(removed).scatter(-1, index, gone_above)
 
 
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, sequence: torch.Tensor,
@@ -254,18 +344,32 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, sequence: torch.
         raise ConfigError("sample_tokens: expected params with a seed (SamplingParams.with_seed())")
     settings = filter_tensors(params.temperature, params.top_k, params.top_p, logits.shape[-1], logits.device)
     use_top_k, use_top_p = filter_flags(params.top_k, params.top_p)
-    key = seed_key(params.seed, logits.device)
-    scores = filter_scores(logits, *settings, use_top_k=use_top_k, use_top_p=use_top_p)
-    return draw(scores, uniform(key, sequence.to(logits.device), position.to(logits.device)))
+    scores = filter_scores(logits, *settings, use_top_k=use_top_k, use_top_p=use_top_p,
+                           k_window=top_k_window(params.top_k))
+    return draw(scores, params.seed, sequence, position)
 
 
-def draw(scores: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The token of each row of filtered ``scores`` at its uniform number ``u`` (``(batch,)``, [0, 1)):
-    the inverse of the softmax's cumulative distribution, in vocabulary order, in float64."""
-    cdf = scores.softmax(dim=-1).to(torch.float64).cumsum(dim=-1)
-    token = torch.searchsorted(cdf, u.unsqueeze(-1) * cdf[..., -1:], right=True).squeeze(-1)
-    # u * total < total, so the index is in range; the clamp guards a total rounded below the last step
-    return token.clamp_(max=scores.shape[-1] - 1)
+def draw(scores: torch.Tensor, seed: int | torch.Tensor, sequence: torch.Tensor, position: torch.Tensor, *,
+         fused: bool | None = None) -> torch.Tensor:
+    """The token of each row of filtered ``scores`` (``(batch, vocab)``, removed tokens ``-inf``) drawn from
+    their softmax with the stream of ``seed`` (an int or its :func:`seed_key`) at ``(sequence[i],
+    position[i])`` (int tensors that broadcast to ``(batch,)``). Long, ``(batch,)``.
+
+    Gumbel-max: token ``v`` of row ``i`` gets the uniform number ``u`` of lane ``v + 1`` at that counter,
+    and the row's token is the argmax of ``score - log(-log(u))`` in float64 (ties to the lowest token).
+    ``fused`` as :func:`uniform` takes it: on a GPU one Triton kernel computes it, else torch ops (a
+    ``(batch, vocab)`` Philox: some 300 kernels). Both draw the same tokens: the same bits of ``u`` and
+    the same float64 operations (where the two logs round alike: on a GPU, the same libdevice ``log``)."""
+    b, vocab = scores.shape
+    key = seed_key(seed, scores.device) if isinstance(seed, int) else seed
+    seq = sequence.to(device=scores.device, dtype=torch.int64).reshape(-1, 1)
+    pos = position.to(device=scores.device, dtype=torch.int64).reshape(-1, 1)
+    if _fused_wanted(key, fused, "draw"):
+        return _fused_module().gumbel_max_fused(scores.float(), key.to(torch.int64), seq, pos)
+    lane = torch.arange(1, vocab + 1, dtype=torch.int64, device=scores.device).view(1, vocab)
+    seq, pos = (t.expand(b, 1) for t in torch.broadcast_tensors(seq, pos))
+    u = _reference_uniform(key.to(torch.int64), seq, pos, lane)
+    return (scores.double() - torch.log(-torch.log(u))).argmax(dim=-1)
 
 
 def seed_key(seed: int, device: torch.device | str) -> torch.Tensor:
