@@ -34,15 +34,13 @@ thread; during a capture it becomes a kernel node of the graph.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..log import logger
-from ..runtime.jit import bindings, compile_source, driver_check, ensure_context, launch, load_first, \
-    nvrtc_unavailable_reason, nvrtc_version
+from ..runtime.jit import KernelCache, compile_source, launch, nvrtc_unavailable_reason, nvrtc_version
 
 __all__ = ["SetterKernels", "setter_kernels", "nvrtc_version", "nvrtc_unavailable_reason", "launch",
            "dtype_kind", "COMPARE_OPS", "KERNEL_SOURCE", "compile_source", "DECODE_STEP_MAX_BATCH"]
@@ -179,9 +177,12 @@ class SetterKernels:
     decode_step: Any
 
 
-_lock = threading.Lock()
-_images: dict[int, list[tuple[str, bytes]]] = {}  # arch -> [(label, image)], compiled once
-_loaded: dict[int, SetterKernels] = {}  # device -> kernels
+def _loaded(device: int, label: str, fns: list[Any]) -> SetterKernels:
+    logger.debug("gfxgraph: conditional setter kernels loaded on cuda:%d (%s)", device, label)
+    return SetterKernels(device, label, *fns)
+
+
+_cache = KernelCache(lambda arch: compile_source(KERNEL_SOURCE, arch, name="gfxgraph_setters.cu"), _KERNELS, _loaded)
 
 
 def setter_kernels(device: int | None = None) -> SetterKernels:
@@ -194,33 +195,6 @@ def setter_kernels(device: int | None = None) -> SetterKernels:
         ImportError: cuda-bindings is missing.
         GraphRuntimeError: NVRTC is missing or failed, or the driver refused every image.
     """
-    dev = torch.cuda.current_device() if device is None else int(device)
-    found = _loaded.get(dev)
-    if found is not None:
-        return found
-    with _lock:
-        found = _loaded.get(dev)
-        if found is not None:
-            return found
-        driver, _ = bindings()
-        torch.empty(1, device=f"cuda:{dev}")  # PyTorch creates the primary context first
-        major, minor = torch.cuda.get_device_capability(dev)
-        arch = 10 * major + minor
-        images = _images.get(arch)
-        if images is None:
-            images = compile_source(KERNEL_SOURCE, arch, name="gfxgraph_setters.cu")
-            _images[arch] = images
-        with torch.cuda.device(dev):
-            ensure_context(dev)
-            module, label = load_first(driver, images)
-        fns = []
-        for name in _KERNELS:
-            err, fn = driver.cuModuleGetFunction(module, name.encode())
-            driver_check(driver, "cuModuleGetFunction", err)
-            fns.append(fn)
-        kernels = SetterKernels(dev, label, *fns)
-        _loaded[dev] = kernels
-        logger.debug("gfxgraph: conditional setter kernels loaded on cuda:%d (%s)", dev, label)
-        return kernels
+    return _cache.get(device)
 
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,8 +44,8 @@ import torch
 from ..errors import GraphRuntimeError
 from ..log import logger
 from ._base import Runtime
-from .jit import bindings, compile_source, driver_check, ensure_context, link_cubin, load_first, \
-    nvjitlink_unavailable_reason, nvrtc_unavailable_reason, nvrtc_version
+from .jit import KernelCache, compile_source, link_cubin, nvjitlink_unavailable_reason, nvrtc_unavailable_reason, \
+    nvrtc_version
 
 __all__ = ["DEVICE_LAUNCH_FLAG", "OUT_OF_RANGE", "LAUNCHER_SOURCE", "LauncherKernels", "launcher_kernels",
            "find_cudadevrt", "device_launch_unavailable_reason", "HIP_NO_DEVICE_LAUNCH"]
@@ -148,9 +147,28 @@ class LauncherKernels:
     launch_bucket: Any
 
 
-_lock = threading.Lock()
-_images: dict[int, bytes] = {}  # arch -> linked cubin
-_loaded: dict[int, LauncherKernels] = {}  # device -> kernels
+def _link(arch: int) -> list[tuple[str, bytes]]:
+    """The launchers compiled with -rdc for ``arch`` and linked with ``libcudadevrt.a``: one cubin."""
+    devrt = find_cudadevrt()
+    if devrt is None:
+        raise GraphRuntimeError("find_static_lib", "CUDADEVRT_NOT_FOUND", -1,
+                                "libcudadevrt.a not found: pip install nvidia-cuda-runtime or set CUDA_HOME")
+    images = dict(compile_source(LAUNCHER_SOURCE, arch, name="gfxgraph_launchers.cu",
+                                 options=("--relocatable-device-code=true",)))
+    cubin = images.get(f"cubin sm_{arch}")
+    if cubin is None:
+        raise GraphRuntimeError("nvrtcGetSupportedArchs", "NVRTC_ARCH_UNSUPPORTED", -1,
+                                f"this NVRTC cannot emit code for sm_{arch}; device launch needs a "
+                                "relocatable cubin for the device's own architecture")
+    return [(f"linked cubin sm_{arch}", link_cubin(cubin, arch, libraries=(devrt,)))]
+
+
+def _loaded(device: int, label: str, fns: list[Any]) -> LauncherKernels:
+    logger.debug("gfxgraph: device-launch kernels loaded on cuda:%d (%s)", device, label)
+    return LauncherKernels(device, label, *fns)
+
+
+_cache = KernelCache(_link, _NAMES, _loaded)
 
 
 def launcher_kernels(device: int | None = None) -> LauncherKernels:
@@ -164,42 +182,4 @@ def launcher_kernels(device: int | None = None) -> LauncherKernels:
         GraphRuntimeError: NVRTC, nvJitLink or ``libcudadevrt.a`` is missing, or a step failed.
         ImportError: cuda-bindings is missing.
     """
-    dev = torch.cuda.current_device() if device is None else int(device)
-    found = _loaded.get(dev)
-    if found is not None:
-        return found
-    with _lock:
-        found = _loaded.get(dev)
-        if found is not None:
-            return found
-        driver, _ = bindings()
-        torch.empty(1, device=f"cuda:{dev}")  # PyTorch creates the primary context first
-        major, minor = torch.cuda.get_device_capability(dev)
-        arch = 10 * major + minor
-        image = _images.get(arch)
-        if image is None:
-            devrt = find_cudadevrt()
-            if devrt is None:
-                raise GraphRuntimeError("find_static_lib", "CUDADEVRT_NOT_FOUND", -1,
-                                        "libcudadevrt.a not found: pip install nvidia-cuda-runtime or set CUDA_HOME")
-            images = dict(compile_source(LAUNCHER_SOURCE, arch, name="gfxgraph_launchers.cu",
-                                         options=("--relocatable-device-code=true",)))
-            cubin = images.get(f"cubin sm_{arch}")
-            if cubin is None:
-                raise GraphRuntimeError("nvrtcGetSupportedArchs", "NVRTC_ARCH_UNSUPPORTED", -1,
-                                        f"this NVRTC cannot emit code for sm_{arch}; device launch needs a "
-                                        "relocatable cubin for the device's own architecture")
-            image = link_cubin(cubin, arch, libraries=(devrt,))
-            _images[arch] = image
-        with torch.cuda.device(dev):
-            ensure_context(dev)
-            module, label = load_first(driver, [(f"linked cubin sm_{arch}", image)])
-        fns = []
-        for name in _NAMES:
-            err, fn = driver.cuModuleGetFunction(module, name.encode())
-            driver_check(driver, "cuModuleGetFunction", err)
-            fns.append(fn)
-        kernels = LauncherKernels(dev, label, *fns)
-        _loaded[dev] = kernels
-        logger.debug("gfxgraph: device-launch kernels loaded on cuda:%d (%s)", dev, label)
-        return kernels
+    return _cache.get(device)

@@ -14,14 +14,17 @@ nor device-side graph launch.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
-from typing import Any
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+import torch
 
 from ..errors import GraphRuntimeError
 from ._cuda_bindings import INSTALL_HINT
 
 __all__ = ["bindings", "nvrtc_version", "nvrtc_unavailable_reason", "nvrtc_check", "driver_check", "compile_source",
-           "ensure_context", "load_first", "launch", "link_cubin", "nvjitlink_unavailable_reason"]
+           "ensure_context", "load_first", "launch", "link_cubin", "nvjitlink_unavailable_reason", "KernelCache"]
 
 
 def bindings() -> tuple[Any, Any]:
@@ -246,3 +249,52 @@ def link_cubin(cubin: bytes, arch: int, *, libraries: Sequence[str] = ()) -> byt
         return bytes(out)
     finally:
         nvjitlink.destroy(handle)
+
+
+K = TypeVar("K")
+
+
+class KernelCache(Generic[K]):
+    """Kernels compiled once per architecture and loaded once per device.
+
+    ``build(arch)`` returns the images to try for an architecture (``[(label, image)]``,
+    :func:`load_first`'s order); ``make(device, label, functions)`` wraps the loaded
+    ``CUfunction`` objects of ``names``. :meth:`get` is thread-safe; after the first call for a
+    device it is a dict read. The first call for a device must not happen during a stream
+    capture (loading a module would invalidate it).
+    """
+
+    def __init__(self, build: Callable[[int], Sequence[tuple[str, bytes]]], names: Sequence[str],
+                 make: Callable[[int, str, list[Any]], K]) -> None:
+        self._build, self._names, self._make = build, tuple(names), make
+        self._lock = threading.Lock()
+        self._images: dict[int, Sequence[tuple[str, bytes]]] = {}  # arch -> images, built once
+        self._loaded: dict[int, K] = {}  # device -> kernels
+
+    def get(self, device: int | None = None) -> K:
+        """The kernels of ``device`` (default: the current one), built and loaded on first use."""
+        dev = torch.cuda.current_device() if device is None else int(device)
+        found = self._loaded.get(dev)
+        if found is not None:
+            return found
+        with self._lock:
+            found = self._loaded.get(dev)
+            if found is not None:
+                return found
+            driver, _ = bindings()
+            torch.empty(1, device=f"cuda:{dev}")  # PyTorch creates the primary context first
+            major, minor = torch.cuda.get_device_capability(dev)
+            arch = 10 * major + minor
+            images = self._images.get(arch)
+            if images is None:
+                images = self._images[arch] = self._build(arch)
+            with torch.cuda.device(dev):
+                ensure_context(dev)
+                module, label = load_first(driver, images)
+            fns = []
+            for name in self._names:
+                err, fn = driver.cuModuleGetFunction(module, name.encode())
+                driver_check(driver, "cuModuleGetFunction", err)
+                fns.append(fn)
+            found = self._loaded[dev] = self._make(dev, label, fns)
+            return found
