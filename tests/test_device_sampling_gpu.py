@@ -196,6 +196,28 @@ def test_fused_draw_equals_the_reference(vocab):
     assert torch.equal(draw(wide, 3, seq, pos, fused=True), draw(wide, 3, seq, pos, fused=False))
 
 
+@pytest.mark.parametrize("vocab", [100, 32000, 128256])
+def test_fused_top_k_top_p_draw_equals_the_reference(vocab):
+    """topk's window, top-k, top-p and the draw in one kernel against filter_scores() then draw() in torch ops:
+    the same tokens, with logits rounded to quarters so that ties at the k-th value are many (row 0: 40 tied
+    tokens, more than the window of k = 5 holds), for top-k alone and with top-p."""
+    _triton_or_skip()
+    from hipgraph_bridge.generation.sampling import draw, draw_filtered, filter_scores, filter_tensors, top_k_window
+
+    g = torch.Generator(device="cuda").manual_seed(vocab)
+    logits = torch.round(torch.randn(4, vocab, device="cuda", generator=g) * 12) / 4
+    logits[0, 7:47] = logits[0].max() - 0.25
+    seq = torch.arange(4, device="cuda")
+    for k, p in [(1, None), (5, None), (50, None), (5, 0.9), (50, 0.9), (50, 0.3), (10, 0.99), (1000, 0.95)]:
+        settings = filter_tensors(0.8, k, p, vocab, "cuda")
+        flags = dict(use_top_k=True, use_top_p=p is not None, k_window=top_k_window(k))
+        for seed in (0, 5, 2**63):
+            for pos in (torch.tensor(7, device="cuda"), torch.tensor([1, 2, 3, 2**33], device="cuda")):
+                fused = draw_filtered(logits, *settings, seed, seq, pos, fused=True, **flags)
+                ref = draw(filter_scores(logits, *settings, **flags), seed, seq, pos, fused=False)
+                assert torch.equal(fused, ref), (k, p, seed, fused.tolist(), ref.tolist())
+
+
 def test_fused_draw_replays_in_a_captured_graph_and_its_draws_follow_the_softmax():
     """The draw captured once after prepare_fused(): each replay reads new positions from the buffer; over
     200,000 replays' worth of rows (one graph of 4,000 rows, 50 positions) the tokens follow the softmax."""
@@ -264,15 +286,16 @@ def test_left_padded_sampling_in_the_decoder_is_the_same_on_every_path(strategy)
         assert torch.equal(dec.generate(ids, attention_mask=mask, max_new_tokens=24, **settings), want), chunk
 
 
+@pytest.mark.parametrize("settings", [{"temperature": 0.9}, {"temperature": 0.9, "top_k": 20, "top_p": 0.9}])
 @pytest.mark.parametrize("strategy", ["native", "host"])
-def test_the_loop_draws_the_same_tokens_with_the_kernel_and_with_the_reference(strategy, monkeypatch):
+def test_the_loop_draws_the_same_tokens_with_the_kernel_and_with_the_reference(strategy, settings, monkeypatch):
     """The captured body's Triton kernel against the torch reference captured in its place (the module switch):
     the same tokens, inside the WHILE body and in the host loop's step graph."""
     _triton_or_skip()
     step = _step(_table())
     first = torch.tensor([1, 5, 9, 13], device="cuda")
     start = torch.tensor([3, 2**32 - 2, 0, 11], device="cuda")  # a row whose position carries into word 2
-    kw = dict(max_new_tokens=40, do_sample=True, seed=5, temperature=0.9)
+    kw = dict(max_new_tokens=40, do_sample=True, seed=5, **settings)
     fused = DeviceDecodeLoop(step, batch_size=BATCH, chunk=16, strategy=strategy).generate(first, start, **kw)
     monkeypatch.setattr(sampling, "FUSED_BY_DEFAULT", False)
     loop = DeviceDecodeLoop(step, batch_size=BATCH, chunk=16, strategy=strategy)

@@ -46,7 +46,7 @@ from hipgraph_bridge.checks import check_token_ids
 from hipgraph_bridge.errors import ConfigError
 from hipgraph_bridge.generation import DeviceDecodeLoop
 from hipgraph_bridge.generation.device_loop import EosIds
-from hipgraph_bridge.generation.sampling import (SamplingParams, draw, filter_flags, filter_scores, filter_tensors,
+from hipgraph_bridge.generation.sampling import (SamplingParams, draw_filtered, filter_flags, filter_tensors,
                                                  seed_key, top_k_window)
 
 __all__ = ["compile_config", "StaticCacheDecoder"]
@@ -353,9 +353,8 @@ class StaticCacheDecoder:
         def choose(scores: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:  # the token after (b,) positions pos
             if not params.do_sample:
                 return scores.argmax(dim=-1)
-            filtered = filter_scores(scores, *settings, use_top_k=use_top_k, use_top_p=use_top_p,
-                                     k_window=top_k_window(params.top_k))
-            return draw(filtered, key, rows, pos)
+            return draw_filtered(scores, *settings, key, rows, pos, use_top_k=use_top_k, use_top_p=use_top_p,
+                                 k_window=top_k_window(params.top_k))
 
         tok = choose(logits[:, -1, :], last)
         unfinished = torch.ones(b, dtype=torch.bool, device=dev)

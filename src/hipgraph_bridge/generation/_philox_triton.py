@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["uniform_fused", "gumbel_max_fused", "prepare"]
+__all__ = ["uniform_fused", "gumbel_max_fused", "window_draw_fused", "prepare"]
 
 # Integer literals above 2**31 are uint32 in triton: the products and sums below wrap at 32 bits,
 # as Philox's words do.
@@ -108,6 +108,76 @@ def _gumbel_max_kernel(scores_ptr, key_ptr, seq_ptr, pos_ptr, best_ptr, arg_ptr,
     tl.store(arg_ptr + row * blocks + blk, (blk * BLOCK + arg).to(tl.int64))
 
 
+@triton.jit
+def _gumbel_keys(s, token, seq, pos, k0, k1):
+    """``s - log(-log(u))`` (float64) for the tokens ``token`` of one row: lane ``token + 1``."""
+    lane = (token + 1).to(tl.uint32)
+    c0 = tl.zeros_like(lane) + pos.to(tl.uint32)
+    c1 = tl.zeros_like(lane) + seq.to(tl.uint32)
+    c2 = tl.zeros_like(lane) + (pos >> 32).to(tl.uint32)
+    u = _philox_uniform(c0, c1, c2, lane, k0, k1)
+    return s.to(tl.float64) - tl.log(-tl.log(u))
+
+
+@triton.jit(do_not_specialize=["vocab", "row_stride", "seq_stride", "pos_stride"])
+def _window_draw_kernel(scores_ptr, window_ptr, index_ptr, k_ptr, cut_ptr, key_ptr, seq_ptr, pos_ptr, out_ptr,
+                        vocab, row_stride, seq_stride, pos_stride, WINDOW: tl.constexpr, BLOCK: tl.constexpr,
+                        TOP_P: tl.constexpr):
+    """One row: top-k from ``topk``'s window, then (``TOP_P``) top-p, then the Gumbel-max draw over what
+    is left; :func:`.sampling._window_top_p` and :func:`.sampling.draw` in one program."""
+    row = tl.program_id(0)
+    slot = tl.arange(0, WINDOW)
+    w = tl.load(window_ptr + row * WINDOW + slot)  # descending
+    ids = tl.load(index_ptr + row * WINDOW + slot)
+    kk = tl.minimum(tl.maximum(tl.load(k_ptr) - 1, 0), WINDOW - 1)
+    kth = tl.sum(tl.where(slot == kk, w, 0.0), axis=0)
+    above = w > kth
+    seq = tl.load(seq_ptr + row * seq_stride)
+    pos = tl.load(pos_ptr + row * pos_stride)
+    k0 = tl.load(key_ptr).to(tl.uint32)
+    k1 = tl.load(key_ptr + 1).to(tl.uint32)
+    base = scores_ptr + row * row_stride
+    # the tokens tied at the k-th value, over the whole vocabulary (the window may hold only some)
+    m = tl.zeros((), dtype=tl.int64)
+    for start in tl.range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        s = tl.load(base + offs, mask=offs < vocab, other=float("-inf"))
+        m += tl.sum((s == kth).to(tl.int64), axis=0)
+    gone = tl.zeros((), dtype=tl.int64)  # ties removed by top-p, the lowest ids first
+    keep = above
+    if TOP_P:
+        cut = tl.load(cut_ptr)
+        top = tl.max(w, axis=0)
+        e = tl.where(above, tl.exp(w - top), 0.0)
+        e_tie = tl.exp(kth - top)
+        z = tl.sum(e, axis=0) + m.to(tl.float32) * e_tie
+        p_tie = e_tie / z
+        running = m.to(tl.float32) * p_tie + tl.cumsum(e / z, axis=0, reverse=True)
+        keep = above & ((running > cut) | (slot == 0))
+        fit = tl.minimum(tl.maximum(tl.floor(cut / p_tie), 0.0), vocab * 1.0).to(tl.int64)
+        top_tied = tl.sum(tl.where(slot == 0, above.to(tl.int64), 0), axis=0) == 0
+        gone = tl.maximum(tl.minimum(fit, m - top_tied.to(tl.int64)), 0)
+    noisy = tl.where(keep, _gumbel_keys(w, ids, seq, pos, k0, k1), float("-inf"))
+    best = tl.max(noisy, axis=0)
+    best_id = tl.sum(tl.where(slot == tl.argmax(noisy, axis=0, tie_break_left=True), ids, 0), axis=0)
+    seen = tl.zeros((), dtype=tl.int64)
+    for start in tl.range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        s = tl.load(base + offs, mask=offs < vocab, other=float("-inf"))
+        tie = s == kth
+        n = tl.sum(tie.to(tl.int64), axis=0)
+        if n > 0:  # few blocks hold a tie: the others cost a load and a compare
+            rank = seen + tl.cumsum(tie.to(tl.int64), axis=0)
+            noisy_tie = tl.where(tie & (rank > gone), _gumbel_keys(s, offs, seq, pos, k0, k1), float("-inf"))
+            b = tl.max(noisy_tie, axis=0)
+            b_id = (start + tl.argmax(noisy_tie, axis=0, tie_break_left=True)).to(tl.int64)
+            better = (b > best) | ((b == best) & (b_id < best_id))
+            best_id = tl.where(better, b_id, best_id)
+            best = tl.where(better, b, best)
+        seen += n
+    tl.store(out_ptr + row, best_id)
+
+
 def uniform_fused(key: torch.Tensor, sequence: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     """:func:`.sampling.uniform` in one kernel: ``key`` a ``(2,)`` int64 tensor (:func:`.sampling.seed_key`),
     ``sequence`` and ``position`` int64 tensors broadcast against each other, all on one GPU.
@@ -147,6 +217,30 @@ def gumbel_max_fused(scores: torch.Tensor, key: torch.Tensor, sequence: torch.Te
         _gumbel_max_kernel[(b, blocks)](scores, key, seq, pos, best, arg, vocab, scores.stride(0),
                                         seq.stride(0), pos.stride(0), blocks, BLOCK=_VOCAB_BLOCK)
     return arg.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1)
+
+
+def window_draw_fused(scores: torch.Tensor, window: torch.Tensor, index: torch.Tensor, top_k: torch.Tensor,
+                      top_p_cut: torch.Tensor, key: torch.Tensor, sequence: torch.Tensor, position: torch.Tensor,
+                      *, top_p: bool) -> torch.Tensor:
+    """Top-k (and, with ``top_p``, top-p) and the draw in one kernel: ``scores`` ``(batch, vocab)`` float32,
+    ``window``/``index`` ``topk``'s descending values and tokens (``(batch, W)``, W a power of two), the
+    settings as :func:`.sampling.filter_tensors` makes them. Long ``(batch,)``.
+
+    The same tokens as :func:`.sampling.filter_scores` then :func:`.sampling.draw`, but where top-p's
+    float32 running sums (added here in another order) lie within rounding of the cut. Cost: one
+    program per row that reads the row twice (counting, then drawing among, the tokens tied at the
+    k-th value) and computes random numbers only for the window and blocks holding a tie."""
+    b, vocab = scores.shape
+    seq, pos = (t.expand(b) for t in torch.broadcast_tensors(sequence.reshape(-1), position.reshape(-1)))
+    if scores.stride(-1) != 1:
+        scores = scores.contiguous()
+    window, index = window.contiguous(), index.contiguous()
+    out = torch.empty(b, dtype=torch.int64, device=scores.device)
+    with torch.cuda.device(key.device) if key.device.type == "cuda" else contextlib.nullcontext():
+        _window_draw_kernel[(b,)](scores, window, index, top_k, top_p_cut, key, seq, pos, out, vocab,
+                                  scores.stride(0), seq.stride(0), pos.stride(0), WINDOW=window.shape[1],
+                                  BLOCK=1024, TOP_P=top_p)
+    return out
 
 
 def prepare(device: torch.device) -> None:

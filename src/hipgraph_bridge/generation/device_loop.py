@@ -77,7 +77,7 @@ from ..conditional.kernels import DECODE_STEP_MAX_BATCH, MAX_EOS_IDS
 from ..conditional.loop import LOOP_STRATEGIES
 from ..conditional.native_nodes import NativeConditional
 from ..tree import describe
-from .sampling import SamplingParams, draw, filter_flags, filter_scores, prepare_fused, seed_key, top_k_window
+from .sampling import SamplingParams, draw_filtered, filter_flags, prepare_fused, seed_key, top_k_window
 
 __all__ = ["DeviceDecodeLoop", "BodyKind"]
 
@@ -204,9 +204,9 @@ class DeviceDecodeLoop:
                 and nxt.shape[0] == self.batch_size:
             self.returns_logits = True
             if kind.sampling:
-                scores = filter_scores(nxt, self._temperature, self._top_k, self._top_p_cut,
-                                       use_top_k=kind.top_k, use_top_p=kind.top_p, k_window=kind.k_window)
-                nxt = draw(scores, self._key, self._sequences, pos)
+                nxt = draw_filtered(nxt, self._temperature, self._top_k, self._top_p_cut, self._key,
+                                    self._sequences, pos, use_top_k=kind.top_k, use_top_p=kind.top_p,
+                                    k_window=kind.k_window)
             else:
                 nxt = nxt.argmax(dim=-1)
         elif not isinstance(nxt, torch.Tensor) or nxt.numel() != self.batch_size or nxt.is_floating_point():

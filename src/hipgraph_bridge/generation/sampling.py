@@ -51,7 +51,7 @@ import torch
 from ..errors import ConfigError
 
 __all__ = ["FUSED_BY_DEFAULT", "WINDOW_MAX", "SamplingParams", "philox4x32", "uniform", "seed_key", "filter_logits",
-           "filter_tensors", "filter_scores", "filter_flags", "top_k_window", "draw", "sample_tokens",
+           "filter_tensors", "filter_scores", "filter_flags", "top_k_window", "draw", "draw_filtered", "sample_tokens",
            "fused_unavailable_reason", "prepare_fused"]
 
 FUSED_BY_DEFAULT = True
@@ -334,6 +334,31 @@ def _window_top_p(scores: torch.Tensor, window: torch.Tensor, index: torch.Tenso
     return removed | torch.zeros_like(removed).scatter(-1, index, gone_above)
 
 
+def draw_filtered(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p_cut: torch.Tensor,
+                  seed: int | torch.Tensor, sequence: torch.Tensor, position: torch.Tensor, *, use_top_k: bool,
+                  use_top_p: bool, k_window: int | None, fused: bool | None = None) -> torch.Tensor:
+    """:func:`filter_scores` then :func:`draw`: the token of each row of ``logits`` (``(batch, vocab)``),
+    the settings as :func:`filter_tensors` makes them. Long, ``(batch,)``. Every strategy chooses
+    through it.
+
+    On a GPU (``fused`` as :func:`draw` takes it) with top-k in a window, the filters and the draw
+    are one Triton kernel after ``topk`` (:func:`._philox_triton.window_draw_fused`): the same tokens
+    but where a top-p running sum lies within float32 rounding of the cut (the sums are added in
+    another order). Otherwise :func:`filter_scores`' torch ops and :func:`draw`."""
+    key = seed_key(seed, logits.device) if isinstance(seed, int) else seed
+    vocab = logits.shape[-1]
+    if use_top_k and k_window is not None and k_window < vocab and _fused_wanted(key, fused, "draw_filtered"):
+        scores = logits.float() / temperature
+        window, index = scores.topk(k_window, dim=-1)
+        seq = sequence.to(device=logits.device, dtype=torch.int64)
+        pos = position.to(device=logits.device, dtype=torch.int64)
+        return _fused_module().window_draw_fused(scores, window, index, top_k, top_p_cut, key.to(torch.int64),
+                                                 seq, pos, top_p=use_top_p)
+    scores = filter_scores(logits, temperature, top_k, top_p_cut, use_top_k=use_top_k, use_top_p=use_top_p,
+                           k_window=k_window)
+    return draw(scores, key, sequence, position, fused=fused)
+
+
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, sequence: torch.Tensor,
                   position: torch.Tensor) -> torch.Tensor:
     """One token per row of ``logits`` (``(batch, vocab)``): greedy, or drawn with ``params`` at the
@@ -344,9 +369,8 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, sequence: torch.
         raise ConfigError("sample_tokens: expected params with a seed (SamplingParams.with_seed())")
     settings = filter_tensors(params.temperature, params.top_k, params.top_p, logits.shape[-1], logits.device)
     use_top_k, use_top_p = filter_flags(params.top_k, params.top_p)
-    scores = filter_scores(logits, *settings, use_top_k=use_top_k, use_top_p=use_top_p,
-                           k_window=top_k_window(params.top_k))
-    return draw(scores, params.seed, sequence, position)
+    return draw_filtered(logits, *settings, params.seed, sequence, position, use_top_k=use_top_k,
+                         use_top_p=use_top_p, k_window=top_k_window(params.top_k))
 
 
 def draw(scores: torch.Tensor, seed: int | torch.Tensor, sequence: torch.Tensor, position: torch.Tensor, *,
