@@ -120,11 +120,12 @@ def _gumbel_keys(s, token, seq, pos, k0, k1):
 
 
 @triton.jit(do_not_specialize=["vocab", "row_stride", "seq_stride", "pos_stride"])
-def _window_draw_kernel(scores_ptr, window_ptr, index_ptr, k_ptr, cut_ptr, key_ptr, seq_ptr, pos_ptr, out_ptr,
-                        vocab, row_stride, seq_stride, pos_stride, WINDOW: tl.constexpr, BLOCK: tl.constexpr,
-                        TOP_P: tl.constexpr):
+def _window_draw_kernel(scores_ptr, window_ptr, index_ptr, ties_ptr, k_ptr, cut_ptr, key_ptr, seq_ptr, pos_ptr,
+                        out_ptr, vocab, row_stride, seq_stride, pos_stride, WINDOW: tl.constexpr,
+                        BLOCK: tl.constexpr, TOP_P: tl.constexpr):
     """One row: top-k from ``topk``'s window, then (``TOP_P``) top-p, then the Gumbel-max draw over what
-    is left; :func:`.sampling._window_top_p` and :func:`.sampling.draw` in one program."""
+    is left; :func:`.sampling._window_top_p` and :func:`.sampling.draw` in one program. ``ties``: how
+    many tokens of the row equal the k-th value (counted over the vocabulary beforehand)."""
     row = tl.program_id(0)
     slot = tl.arange(0, WINDOW)
     w = tl.load(window_ptr + row * WINDOW + slot)  # descending
@@ -132,17 +133,11 @@ def _window_draw_kernel(scores_ptr, window_ptr, index_ptr, k_ptr, cut_ptr, key_p
     kk = tl.minimum(tl.maximum(tl.load(k_ptr) - 1, 0), WINDOW - 1)
     kth = tl.sum(tl.where(slot == kk, w, 0.0), axis=0)
     above = w > kth
+    m = tl.load(ties_ptr + row)
     seq = tl.load(seq_ptr + row * seq_stride)
     pos = tl.load(pos_ptr + row * pos_stride)
     k0 = tl.load(key_ptr).to(tl.uint32)
     k1 = tl.load(key_ptr + 1).to(tl.uint32)
-    base = scores_ptr + row * row_stride
-    # the tokens tied at the k-th value, over the whole vocabulary (the window may hold only some)
-    m = tl.zeros((), dtype=tl.int64)
-    for start in tl.range(0, vocab, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        s = tl.load(base + offs, mask=offs < vocab, other=float("-inf"))
-        m += tl.sum((s == kth).to(tl.int64), axis=0)
     gone = tl.zeros((), dtype=tl.int64)  # ties removed by top-p, the lowest ids first
     keep = above
     if TOP_P:
@@ -157,26 +152,33 @@ def _window_draw_kernel(scores_ptr, window_ptr, index_ptr, k_ptr, cut_ptr, key_p
         fit = tl.minimum(tl.maximum(tl.floor(cut / p_tie), 0.0), vocab * 1.0).to(tl.int64)
         top_tied = tl.sum(tl.where(slot == 0, above.to(tl.int64), 0), axis=0) == 0
         gone = tl.maximum(tl.minimum(fit, m - top_tied.to(tl.int64)), 0)
+    tied = w == kth
+    inside = tl.sum(tied.to(tl.int64), axis=0)
+    if WINDOW <= 128:  # every tie in the window (the usual case): their ranks by id, no pass over the row
+        if inside == m:
+            earlier = tl.sum((tied[None, :] & (ids[None, :] <= ids[:, None])).to(tl.int64), axis=1)
+            keep = keep | (tied & (earlier > gone))
     noisy = tl.where(keep, _gumbel_keys(w, ids, seq, pos, k0, k1), float("-inf"))
     best = tl.max(noisy, axis=0)
     best_id = tl.sum(tl.where(slot == tl.argmax(noisy, axis=0, tie_break_left=True), ids, 0), axis=0)
-    seen = tl.zeros((), dtype=tl.int64)
-    for start in tl.range(0, vocab, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        s = tl.load(base + offs, mask=offs < vocab, other=float("-inf"))
-        tie = s == kth
-        n = tl.sum(tie.to(tl.int64), axis=0)
-        if n > 0:  # few blocks hold a tie: the others cost a load and a compare
-            rank = seen + tl.cumsum(tie.to(tl.int64), axis=0)
-            noisy_tie = tl.where(tie & (rank > gone), _gumbel_keys(s, offs, seq, pos, k0, k1), float("-inf"))
-            b = tl.max(noisy_tie, axis=0)
-            b_id = (start + tl.argmax(noisy_tie, axis=0, tie_break_left=True)).to(tl.int64)
-            better = (b > best) | ((b == best) & (b_id < best_id))
-            best_id = tl.where(better, b_id, best_id)
-            best = tl.where(better, b, best)
-        seen += n
+    if (WINDOW > 128) | (inside != m):  # ties beyond the window: ranked and drawn over the row
+        base = scores_ptr + row * row_stride
+        seen = tl.zeros((), dtype=tl.int64)
+        for start in tl.range(0, vocab, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            s = tl.load(base + offs, mask=offs < vocab, other=float("-inf"))
+            tie = s == kth
+            n = tl.sum(tie.to(tl.int64), axis=0)
+            if n > 0:  # few blocks hold a tie: the others cost a load and a compare
+                rank = seen + tl.cumsum(tie.to(tl.int64), axis=0)
+                noisy_tie = tl.where(tie & (rank > gone), _gumbel_keys(s, offs, seq, pos, k0, k1), float("-inf"))
+                b = tl.max(noisy_tie, axis=0)
+                b_id = (start + tl.argmax(noisy_tie, axis=0, tie_break_left=True)).to(tl.int64)
+                better = (b > best) | ((b == best) & (b_id < best_id))
+                best_id = tl.where(better, b_id, best_id)
+                best = tl.where(better, b, best)
+            seen += n
     tl.store(out_ptr + row, best_id)
-
 
 def uniform_fused(key: torch.Tensor, sequence: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     """:func:`.sampling.uniform` in one kernel: ``key`` a ``(2,)`` int64 tensor (:func:`.sampling.seed_key`),
@@ -227,17 +229,20 @@ def window_draw_fused(scores: torch.Tensor, window: torch.Tensor, index: torch.T
     settings as :func:`.sampling.filter_tensors` makes them. Long ``(batch,)``.
 
     The same tokens as :func:`.sampling.filter_scores` then :func:`.sampling.draw`, but where top-p's
-    float32 running sums (added here in another order) lie within rounding of the cut. Cost: one
-    program per row that reads the row twice (counting, then drawing among, the tokens tied at the
-    k-th value) and computes random numbers only for the window and blocks holding a tie."""
+    float32 running sums (added here in another order) lie within rounding of the cut. Cost: a
+    count of the tokens tied at the k-th value (a compare and a sum over the logits), then one
+    program per row over the window; only where a tie lies beyond the window (or the window is
+    above 128) does that program read its row, computing random numbers for the blocks holding a tie."""
     b, vocab = scores.shape
     seq, pos = (t.expand(b) for t in torch.broadcast_tensors(sequence.reshape(-1), position.reshape(-1)))
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
     window, index = window.contiguous(), index.contiguous()
+    kth = window.gather(1, (top_k - 1).clamp(min=0, max=window.shape[1] - 1).view(1, 1).expand(b, 1))
+    ties = (scores == kth).sum(dim=1)  # a parallel count: the kernel's one program per row reads no row
     out = torch.empty(b, dtype=torch.int64, device=scores.device)
     with torch.cuda.device(key.device) if key.device.type == "cuda" else contextlib.nullcontext():
-        _window_draw_kernel[(b,)](scores, window, index, top_k, top_p_cut, key, seq, pos, out, vocab,
+        _window_draw_kernel[(b,)](scores, window, index, ties, top_k, top_p_cut, key, seq, pos, out, vocab,
                                   scores.stride(0), seq.stride(0), pos.stride(0), WINDOW=window.shape[1],
                                   BLOCK=1024, TOP_P=top_p)
     return out
