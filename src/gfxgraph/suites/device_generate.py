@@ -15,8 +15,9 @@ Modes, interleaved round by round (median of the rounds), each over its own cach
   launch and one host read per K tokens).
 
 * ``device K=64 sample t=0.8`` and ``device K=64 sample top-k 50 top-p 0.9``: the device loop
-  drawing tokens (plain temperature sampling: no sort; transformers' usual filters: two
-  full-vocabulary sorts per token), the random numbers from the fused Triton kernel.
+  drawing tokens (plain temperature sampling: one Gumbel-max kernel over the logits;
+  transformers' usual filters: ``topk`` of a 64-token window, then one kernel for top-k, top-p
+  and the draw).
 
 Each figure is tokens/s of a whole generation (prefill included, the same in every mode).
 Tokens are compared with eager's (equal, the share of equal tokens, the first step that
