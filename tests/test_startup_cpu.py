@@ -177,3 +177,54 @@ def test_a_static_subgraph_compiled_on_a_later_call_is_cached_by_inductor(tmp_pa
     assert after["aot_autograd_bypass"] == before["aot_autograd_bypass"]
     assert after["fx_graph_miss"] - before["fx_graph_miss"] == 2  # the dynamic frame and the static one
     torch._dynamo.reset()
+
+
+def _frames_for(one_frame: bool, cache_dir, monkeypatch) -> tuple[int, list]:
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from hipgraph_bridge.compile.backend import register
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))  # no entry compiled the other way
+    register()
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    lin = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)).eval()
+
+    def step(x):
+        return lin(x).softmax(-1) * x.shape[0]
+
+    f = torch.compile(step, backend="gfxgraph")
+    with torch.no_grad():
+        warmup(f, torch.randn(3, 16), buckets=[1, 2, 8], progress=False, one_frame=one_frame)
+        got = [(f(x), step(x)) for x in (torch.randn(1, 16), torch.randn(5, 16))]
+    frames = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    return frames, got
+
+
+def test_one_frame_serves_batch_1_from_the_largest_sizes_trace(tmp_path, monkeypatch):
+    """Without it, dynamo traces batch 1 apart (0/1 specialisation); with it, one trace serves every size, and
+    each size's result is eager's."""
+    frames, got = _frames_for(False, tmp_path / "two", monkeypatch)
+    assert frames == 2
+    frames, got = _frames_for(True, tmp_path / "one", monkeypatch)
+    assert frames == 1
+    for compiled, eager in got:
+        torch.testing.assert_close(compiled, eager)
+
+
+def test_one_frame_is_checked_and_refused_where_it_cannot_apply(monkeypatch):
+    with pytest.raises(gfxgraph.ConfigError, match="one_frame: expected a bool"):
+        warmup(Recorder(), torch.zeros(2, 2), buckets=[2], progress=False, one_frame=1)
+    pool = gfxgraph.ShapeBucketPool(lambda x: x * 2, [2, 4], progress=False)
+    with pytest.raises(gfxgraph.ConfigError, match="runs no dynamo"):
+        warmup(pool, torch.zeros(3, 2), progress=False, one_frame=True)
+    import torch.fx.experimental._config as fx_config
+
+    monkeypatch.delitem(fx_config._config, "backed_size_oblivious")
+    f = Recorder()
+    with pytest.raises(NotImplementedError, match="backed_size_oblivious"):
+        warmup(f, torch.zeros(2, 2), buckets=[2], progress=False, one_frame=True)
+    assert f.calls == []  # refused before any call

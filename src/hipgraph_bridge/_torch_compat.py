@@ -556,6 +556,20 @@ def compile_time_seconds() -> dict[str, float]:
     return {"dynamo": max(total - backend, 0.0), "backend": backend}
 
 
+def size_oblivious_tracing() -> Any:
+    """A context in which dynamo traces dynamic sizes without their 0/1 specialisation: PyTorch's
+    ``torch.fx.experimental._config.backed_size_oblivious`` set for the block, so the frame traced
+    there serves size 1 too (no second frame). A process-wide setting while the block runs.
+
+    Raises ``NotImplementedError`` where this torch has no such setting."""
+    import torch.fx.experimental._config as fx_config  # heavy: only a compiled function's warm-up asks
+
+    if "backed_size_oblivious" not in getattr(fx_config, "_config", {}):
+        raise NotImplementedError(f"one_frame needs torch.fx.experimental._config.backed_size_oblivious, which "
+                                  f"PyTorch {torch.__version__} does not have")
+    return fx_config.patch(backed_size_oblivious=True)
+
+
 def maybe_mark_dynamic(t: torch.Tensor, dim: int) -> None:
     """``torch._dynamo.maybe_mark_dynamic``: compile ``t``'s ``dim`` as a symbol from its first
     frame (one compile for every batch size) unless the code specialises it; never raises for that."""

@@ -21,6 +21,7 @@ memory), logged at INFO and returned as a :class:`WarmupReport`.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .._torch_compat import maybe_mark_dynamic, pytree
+from .._torch_compat import maybe_mark_dynamic, pytree, size_oblivious_tracing
 from ..bucketing.pool import ShapeBucketPool
 from ..compile.backend import backend_stats
 from ..compile.subgraph import SubgraphState, live_subgraphs
@@ -65,7 +66,8 @@ class WarmupReport:
 
 
 def warmup(target: Any, *example_args: Any, buckets: Sequence[int] | None = None, batch_dim: int = 0,
-           static_args: Collection[int | str] = (), progress: bool = True, **example_kwargs: Any) -> WarmupReport:
+           static_args: Collection[int | str] = (), progress: bool = True, one_frame: bool = False,
+           **example_kwargs: Any) -> WarmupReport:
     """Compile and capture every bucket of ``target`` now, largest first (module docstring).
 
     Args:
@@ -78,6 +80,15 @@ def warmup(target: Any, *example_args: Any, buckets: Sequence[int] | None = None
         static_args: positions or keyword names of tensors that do not carry the batch even if
             their size there equals the example's batch size (a compiled function).
         progress: show the tqdm bar.
+        one_frame: (a compiled function) trace the first, largest size without dynamo's 0/1
+            specialisation (PyTorch's ``backed_size_oblivious``), so that size 1 reuses that frame
+            instead of a second trace and compile: about half of dynamo's and the compiler's
+            start-up for a model with one frame. The frame's code then assumes no size of the
+            batch broadcasts: right where the batch dimension is the same in every tensor that
+            meets it (a decode step), wrong for code that broadcasts a batch of 1 against another
+            tensor's batch, which is why it is not the default. The setting is process-wide while
+            the first call traces. A warm cache compiled without it brings the second frame back.
+            ``NotImplementedError`` on a torch without the setting.
 
     Runs under the caller's grad mode: warm inference under ``torch.no_grad()`` or
     ``torch.inference_mode()``, as it will be served. Raises ``ConfigError`` for
@@ -85,10 +96,14 @@ def warmup(target: Any, *example_args: Any, buckets: Sequence[int] | None = None
     """
     if not isinstance(batch_dim, int) or isinstance(batch_dim, bool):
         raise ConfigError(f"batch_dim: expected an int, got {batch_dim!r}")
+    if not isinstance(one_frame, bool):
+        raise ConfigError(f"one_frame: expected a bool, got {one_frame!r}")
     if isinstance(target, ShapeBucketPool):
         if buckets is not None and sorted(set(buckets)) != list(target.options.buckets):
             raise ConfigError(f"buckets: a ShapeBucketPool warms its own buckets {list(target.options.buckets)}; "
                               f"got {list(buckets)} (create the pool with the buckets you want)")
+        if one_frame:
+            raise ConfigError("one_frame: a ShapeBucketPool runs no dynamo (it is for a compiled function)")
         return _warm_pool(target, example_args, example_kwargs, progress)
     if not callable(target):
         raise TypeError(f"target: expected a ShapeBucketPool or a compiled function, got {type(target).__name__}")
@@ -97,7 +112,7 @@ def warmup(target: Any, *example_args: Any, buckets: Sequence[int] | None = None
     except (TypeError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
     return _warm_compiled(target, example_args, example_kwargs, sorted(sizes, reverse=True), batch_dim,
-                          set(static_args), progress)
+                          set(static_args), progress, one_frame)
 
 
 def _warm_pool(pool: ShapeBucketPool, args: tuple[Any, ...], kwargs: dict[str, Any], progress: bool) -> WarmupReport:
@@ -110,8 +125,9 @@ def _warm_pool(pool: ShapeBucketPool, args: tuple[Any, ...], kwargs: dict[str, A
 
 
 def _warm_compiled(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], sizes: list[int],
-                   batch_dim: int, static: set[int | str], progress: bool) -> WarmupReport:
+                   batch_dim: int, static: set[int | str], progress: bool, one_frame: bool) -> WarmupReport:
     rows = _example_rows(args, kwargs, batch_dim, static)
+    oblivious = size_oblivious_tracing() if one_frame else None  # raises before any call where torch lacks it
     before = backend_stats()
     t0 = time.perf_counter()
     with frozen_gc():
@@ -122,7 +138,8 @@ def _warm_compiled(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
                 for t in _batched(call_args, call_kwargs, b, batch_dim, static):
                     maybe_mark_dynamic(t, batch_dim)
             lazy = _lazy_frames()
-            fn(*call_args, **call_kwargs)
+            with oblivious if (oblivious is not None and i == 0) else contextlib.nullcontext():
+                fn(*call_args, **call_kwargs)  # the first call traces the frame every later size reuses
             # a frame dynamo specialised for this size (size 1 always) runs its traced graph eagerly until
             # its static_compile_after-th call: call again until it is compiled and captured
             for _ in range(_LAZY_RETRIES if torch.cuda.is_available() else 0):  # no GPU: nothing to capture
