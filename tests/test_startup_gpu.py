@@ -62,3 +62,27 @@ def test_warmup_of_a_pool_captures_every_bucket_largest_first():
         assert pool.captured_buckets == [2, 4, 8]
         x = torch.randn(5, 16, device="cuda")
         torch.testing.assert_close(pool(x), lin(x), rtol=1e-4, atol=1e-5)
+
+
+def test_one_frame_warms_every_size_from_one_trace_and_replays_eagers_results(tmp_path, monkeypatch):
+    """warmup(one_frame=True) on the GPU: one dynamo frame for sizes 8..1, a graph per size, and each size's
+    replay equal to eager (batch 1 included, served by the frame traced at 8)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # no entry traced with 0/1 guards
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32)).cuda().eval()
+    f = torch.compile(mlp, backend="gfxgraph")
+    x = torch.randn(3, 32, device="cuda")
+    before = gfxgraph.backend_stats()["graphs"]
+    with torch.no_grad():
+        rep = gfxgraph.warmup(f, x, buckets=[1, 2, 4, 8], progress=False, one_frame=True)
+        assert counters["stats"]["unique_graphs"] == 1
+        assert rep.graphs >= 4 and gfxgraph.backend_stats()["graphs"] - before >= 4
+        for n in (1, 3):
+            torch.testing.assert_close(f(x[:n]), mlp(x[:n]), rtol=1e-4, atol=1e-4)
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
