@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from gfxgraph import ConfigError
-from hipgraph_bridge.generation.sampling import SamplingParams, filter_logits, philox4x32, sample_tokens, uniform
+from hipgraph_bridge.generation.sampling import (WINDOW_MAX, SamplingParams, _reference_uniform, draw,
+                                                 filter_logits, filter_scores, filter_tensors, philox4x32,
+                                                 sample_tokens, seed_key, top_k_window, uniform)
 
 # Random123's kat_vectors for philox4x32_10: (counter, key) -> output
 _KAT = [
@@ -151,6 +153,29 @@ def test_fused_kernel_matches_the_reference_in_tritons_interpreter(py):
             assert torch.equal(uniform_fused(key, seq, pos), uniform(key, seq, pos, fused=False)), seed
             scalar = torch.tensor(2**40 + 7)  # broadcast: stride 0
             assert torch.equal(uniform_fused(key, seq, scalar), uniform(key, seq, scalar, fused=False)), seed
+        # the draws: Gumbel-max, and top-k (+ top-p) in one kernel, on logits with ties, -inf and a masked tail
+        from hipgraph_bridge.generation._philox_triton import gumbel_max_fused, window_draw_fused
+        from hipgraph_bridge.generation.sampling import draw, filter_scores, filter_tensors, top_k_window
+        for vocab in (17, 300, 2500):
+            logits = torch.round(torch.randn(4, vocab, generator=g) * 8) / 4
+            logits[1, 5:] = -float("inf")  # k beyond the finite tokens: the k-th value is -inf
+            logits[2] = 0.5  # every token tied
+            seq = torch.arange(4)
+            for pos in (torch.tensor(3), torch.tensor([0, 7, 2**33, 9])):
+                ref = draw(logits, 5, seq, pos, fused=False)
+                assert torch.equal(gumbel_max_fused(logits, seed_key(5, "cpu"), seq, pos), ref), vocab
+                for k, p in [(1, None), (10, None), (16, 0.9), (40, 0.5), (100, 0.95)]:
+                    w = top_k_window(k)
+                    if w is None or w >= vocab:
+                        continue
+                    t, kk, cut = filter_tensors(0.7, k, p, vocab, "cpu")
+                    flags = dict(use_top_k=True, use_top_p=p is not None, k_window=w)
+                    want = draw(filter_scores(logits, t, kk, cut, **flags), 5, seq, pos, fused=False)
+                    scores = logits / t
+                    window, index = scores.topk(w, dim=-1)
+                    got = window_draw_fused(scores, window, index, kk, cut, seed_key(5, "cpu"), seq, pos,
+                                            top_p=p is not None)
+                    assert torch.equal(got, want), (vocab, k, p, got.tolist(), want.tolist())
         print("ok")
     """, env={"TRITON_INTERPRET": "1"}, timeout=300)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
@@ -173,8 +198,6 @@ def test_filters_that_are_off_are_left_out_with_the_same_scores():
 
 # ------------------------------------------------------------------ top-k's window; the Gumbel-max draw
 def test_the_top_k_window_is_a_power_of_two_and_large_k_sorts():
-    from hipgraph_bridge.generation.sampling import WINDOW_MAX, top_k_window
-
     assert [top_k_window(k) for k in (None, 0, 1, 16, 17, 50, 64, 65, WINDOW_MAX)] == \
         [None, None, 16, 16, 32, 64, 64, 128, WINDOW_MAX]
     assert top_k_window(WINDOW_MAX + 1) is None
@@ -184,8 +207,6 @@ def test_the_top_k_window_is_a_power_of_two_and_large_k_sorts():
 def test_the_window_removes_the_tokens_the_sort_removes(seed):
     """top-k then top-p from a topk window against the one-sort path (transformers' arithmetic), on logits
     without ties: the same tokens removed, for every k in the window and several p."""
-    from hipgraph_bridge.generation.sampling import filter_scores, filter_tensors
-
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(4, 3000, generator=g) * (1 + seed)
     for k, p in [(1, 0.5), (7, 0.9), (50, 0.9), (50, 0.3), (64, 0.99), (40, 0.05)]:
@@ -200,8 +221,6 @@ def test_ties_at_the_kth_value_beyond_the_window_are_counted_over_the_vocabulary
     """40 tokens tie at the k-th value, more than a 16-token window holds: top-p removes as many of them as
     transformers does (which ones it removes follows its unstable sort; here the lowest ids go first)."""
     transformers = pytest.importorskip("transformers")
-    from hipgraph_bridge.generation.sampling import filter_scores, filter_tensors
-
     logits = torch.full((1, 200), -8.0)
     logits[0, [3, 78, 150]] = torch.tensor([4.0, 3.0, 2.5])
     tied = torch.arange(20, 140, 3)  # 40 tokens at 0.0
@@ -221,8 +240,6 @@ def test_ties_at_the_kth_value_beyond_the_window_are_counted_over_the_vocabulary
 def test_the_draw_is_gumbel_max_over_the_streams_lanes():
     """Token v of a row takes the uniform number of lane v + 1 at the row's (seed, sequence, position): the draw
     is the argmax of score - log(-log(u)); lane 0 (uniform()) is not one of them; a removed token never wins."""
-    from hipgraph_bridge.generation.sampling import _reference_uniform, draw, seed_key
-
     scores = torch.randn(3, 30)
     scores[:, ::2] = -math.inf
     seq, pos = torch.tensor([0, 1, 2]), torch.tensor([5, 5, 2**33])

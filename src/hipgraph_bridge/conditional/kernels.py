@@ -177,12 +177,13 @@ class SetterKernels:
     decode_step: Any
 
 
-def _loaded(device: int, label: str, fns: list[Any]) -> SetterKernels:
+def _make_kernels(device: int, label: str, fns: list[Any]) -> SetterKernels:
     logger.debug("gfxgraph: conditional setter kernels loaded on cuda:%d (%s)", device, label)
     return SetterKernels(device, label, *fns)
 
 
-_cache = KernelCache(lambda arch: compile_source(KERNEL_SOURCE, arch, name="gfxgraph_setters.cu"), _KERNELS, _loaded)
+_cache = KernelCache(lambda arch: compile_source(KERNEL_SOURCE, arch, name="gfxgraph_setters.cu"), _KERNELS,
+                     _make_kernels)
 
 
 def setter_kernels(device: int | None = None) -> SetterKernels:

@@ -19,11 +19,12 @@ vocabulary, adds the Gumbel noise to the scores in float64 and keeps each
 block's largest: a step pays one pass over its logits, as ``argmax`` does,
 where an inverse-CDF draw pays a softmax, a float64 scan and a search.
 
-Capture: the kernel allocates nothing but its output (``torch.empty`` on the
-caller's stream, which a capture routes to its pool) and reads nothing on the
-host. Its JIT compile and module load happen at the first call: call
-:func:`prepare` (or run the code eagerly once, as a capture's warm-up does)
-before a capture. The launch specialises on nothing that differs between a
+Capture: the kernels allocate only on the caller's stream (outputs, the draw's
+per-block maxima, the window kernel's tie counts, contiguous copies where a
+stride asks: a capture routes them to its pool) and read nothing on the host.
+A kernel's JIT compile and module load happen at its first call (the window
+kernel's once per window size and per top-p on or off): call :func:`prepare`
+(or run the code eagerly once, as a capture's warm-up does) before a capture. The launch specialises on nothing that differs between a
 warm-up and the capture of the same call (sizes and strides are not
 specialised).
 """
@@ -46,6 +47,7 @@ _W0: tl.constexpr = tl.constexpr(0x9E3779B9)  # Weyl key increments
 _W1: tl.constexpr = tl.constexpr(0xBB67AE85)
 _BLOCK = 256
 _VOCAB_BLOCK = 2048  # tokens per program of the Gumbel-max kernel: 16 programs a row at 32k, 63 at 128k
+_ROW_BLOCK = 1024  # tokens per step of the window kernel's pass over a row (ties beyond its window)
 
 
 @triton.jit
@@ -161,7 +163,8 @@ def _window_draw_kernel(scores_ptr, window_ptr, index_ptr, ties_ptr, k_ptr, cut_
     noisy = tl.where(keep, _gumbel_keys(w, ids, seq, pos, k0, k1), float("-inf"))
     best = tl.max(noisy, axis=0)
     best_id = tl.sum(tl.where(slot == tl.argmax(noisy, axis=0, tie_break_left=True), ids, 0), axis=0)
-    if (WINDOW > 128) | (inside != m):  # ties beyond the window: ranked and drawn over the row
+    # ties beyond the window: ranked and drawn over the row (ties at -inf cannot be drawn: no pass)
+    if ((WINDOW > 128) | (inside != m)) & (kth > float("-inf")):
         base = scores_ptr + row * row_stride
         seen = tl.zeros((), dtype=tl.int64)
         for start in tl.range(0, vocab, BLOCK):
@@ -179,6 +182,7 @@ def _window_draw_kernel(scores_ptr, window_ptr, index_ptr, ties_ptr, k_ptr, cut_
                 best = tl.where(better, b, best)
             seen += n
     tl.store(out_ptr + row, best_id)
+
 
 def uniform_fused(key: torch.Tensor, sequence: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     """:func:`.sampling.uniform` in one kernel: ``key`` a ``(2,)`` int64 tensor (:func:`.sampling.seed_key`),
@@ -244,13 +248,19 @@ def window_draw_fused(scores: torch.Tensor, window: torch.Tensor, index: torch.T
     with torch.cuda.device(key.device) if key.device.type == "cuda" else contextlib.nullcontext():
         _window_draw_kernel[(b,)](scores, window, index, ties, top_k, top_p_cut, key, seq, pos, out, vocab,
                                   scores.stride(0), seq.stride(0), pos.stride(0), WINDOW=window.shape[1],
-                                  BLOCK=1024, TOP_P=top_p)
+                                  BLOCK=_ROW_BLOCK, TOP_P=top_p)
     return out
 
 
-def prepare(device: torch.device) -> None:
-    """Compile and load the kernels for ``device`` now (a first call does it; a capture must not)."""
+def prepare(device: torch.device, *, k_window: int | None = None, top_p: bool = False) -> None:
+    """Compile and load the kernels for ``device`` now (a first call does it; a capture must not): the
+    uniform and Gumbel-max kernels, and with ``k_window`` the window kernel of that window and top-p
+    setting."""
     one = torch.zeros(1, dtype=torch.int64, device=device)
     key = torch.zeros(2, dtype=torch.int64, device=device)
     uniform_fused(key, one, one)
     gumbel_max_fused(torch.zeros(1, 4, dtype=torch.float32, device=device), key, one, one)
+    if k_window is not None:
+        scores = torch.zeros(1, k_window + 1, dtype=torch.float32, device=device)
+        window, index = scores.topk(k_window, dim=-1)
+        window_draw_fused(scores, window, index, one, torch.zeros((), device=device), key, one, one, top_p=top_p)

@@ -294,9 +294,11 @@ class DeviceDecodeLoop:
 
     def _prepare_kernels(self) -> None:
         """Compile and load, before a capture, what the body launches that a capture could not load: the
-        Triton random-number kernel (the warm-ups would too; this does not depend on their number)."""
-        if self._kind.sampling and self._loop.strategy == "pending":
-            prepare_fused(self._eos_pad.device)
+        sampling body's Triton kernels, the fused top-k kernel of its window included (the warm-ups would
+        too; this does not depend on their number: ``warmup_iters=0`` is safe)."""
+        kind = self._kind
+        if kind.sampling and self._loop.strategy == "pending":
+            prepare_fused(self._eos_pad.device, k_window=kind.k_window, top_p=kind.top_p)
 
     def chunks(self, tokens: torch.Tensor, position: Position, *, max_new_tokens: int, eos_token_id: EosIds = None,
                pad_token_id: int | None = None, unfinished: torch.Tensor | None = None, do_sample: bool = False,

@@ -11,12 +11,12 @@ the batch the sequence shares. The functions here are the reference: plain
 torch ops on any device, which the eager strategy runs and the device
 kernels must reproduce.
 
-On a GPU, :func:`uniform` runs one Triton kernel (:mod:`._philox_triton`) that
-computes the same numbers bit for bit where the reference costs some 300 small
-kernels; ``uniform(..., fused=False)`` forces the reference (what a test
-compares the kernel with). Triton is optional: without it (PyTorch's CPU
-build) or on a CPU tensor, the reference runs. :func:`prepare_fused` compiles
-and loads the kernel ahead of a capture.
+On a GPU, :func:`uniform`, :func:`draw` and :func:`draw_filtered` run Triton
+kernels (:mod:`._philox_triton`): the same random bits as the reference, which
+costs some 300 small kernels; ``fused=False`` forces the reference (what a test
+compares a kernel with). Triton is optional: without it (PyTorch's CPU build)
+or on a CPU tensor, the reference runs. :func:`prepare_fused` compiles and
+loads the kernels ahead of a capture.
 
 A token is drawn as ``generate(do_sample=True)`` draws it, in transformers'
 order: the logits divided by ``temperature``, then top-k (every logit below
@@ -34,8 +34,9 @@ of at least k (a power of two, :func:`top_k_window`) instead of a sort of the
 vocabulary, and top-p then works on that window: every survivor above the
 k-th value is in it, and the tokens tied at the k-th value are counted over
 the vocabulary. transformers orders tied tokens by an unstable sort, so which
-of several tied tokens top-p removes is not defined there; here the tied
-tokens at the k-th value go in vocabulary order (lowest id removed first).
+of several tied tokens top-p removes is not defined there; here the tokens
+tied at the k-th value go in vocabulary order (lowest id removed first), and
+tokens tied above it in ``topk``'s order.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ __all__ = ["FUSED_BY_DEFAULT", "WINDOW_MAX", "SamplingParams", "philox4x32", "un
            "fused_unavailable_reason", "prepare_fused"]
 
 FUSED_BY_DEFAULT = True
-"""What ``uniform(fused=None)`` does on a GPU where triton imports: the Triton kernel (True) or the torch
-reference (False: a switch for the whole process, e.g. to rule the kernel out while debugging; read at each
+"""What ``fused=None`` does on a GPU where triton imports (:func:`uniform`, :func:`draw`,
+:func:`draw_filtered`): the Triton kernels (True) or the torch reference (False: a switch for the whole process, e.g. to rule the kernel out while debugging; read at each
 call, so set it before a loop captures its body)."""
 
 _MASK = 0xFFFFFFFF
@@ -203,19 +204,21 @@ def _fused_module() -> ModuleType:
 
 
 def fused_unavailable_reason() -> str | None:
-    """None where :func:`uniform` can run its Triton kernel (CUDA/ROCm tensors), else why not."""
+    """None where the Triton kernels can run (CUDA/ROCm tensors), else why not."""
     if not torch.cuda.is_available():
         return "no GPU (torch.cuda.is_available() is False)"
     return _load_fused()[1]
 
 
-def prepare_fused(device: torch.device | str) -> bool:
-    """Compile and load the Triton kernel for ``device`` now, so that no capture pays (or fails on) it.
-    Returns whether :func:`uniform` will run the kernel there."""
+def prepare_fused(device: torch.device | str, *, k_window: int | None = None, top_p: bool = False) -> bool:
+    """Compile and load the Triton kernels for ``device`` now, so that no capture pays (or fails on) them:
+    the random numbers' and the draw's, and with ``k_window`` (:func:`top_k_window`) the fused top-k
+    kernel of that window, top-p on or off (each is its own compile). Returns whether the kernels will
+    run there."""
     dev = torch.device(device)
     if not FUSED_BY_DEFAULT or dev.type != "cuda" or fused_unavailable_reason() is not None:
         return False
-    _fused_module().prepare(dev)
+    _fused_module().prepare(dev, k_window=k_window, top_p=top_p)
     return True
 
 
@@ -230,7 +233,7 @@ def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | N
 
 def filter_flags(top_k: int | None, top_p: float | None) -> tuple[bool, bool]:
     """Which filters can remove a token: ``(top-k on, top-p on)``. Off (None, or ``top_p >= 1``) a filter
-    removes nothing, so :func:`filter_scores` may leave it out and skip its full-vocabulary sort."""
+    removes nothing, so :func:`filter_scores` may leave it out, with its work over the vocabulary."""
     return top_k is not None and top_k > 0, top_p is not None and top_p < 1.0
 
 
@@ -246,9 +249,9 @@ def filter_tensors(temperature: float, top_k: int | None, top_p: float | None, v
     return t, k, cut
 
 
-WINDOW_MAX = 1024
-"""The largest top-k window (:func:`top_k_window`): a larger k sorts the vocabulary (``topk`` of a few
-thousand costs what a sort does)."""
+WINDOW_MAX = 128
+"""The largest top-k window (:func:`top_k_window`): a larger k sorts the vocabulary once. Up to 128 the
+fused kernel ranks the window's ties by id in one program; a larger window would read its row there."""
 
 
 def top_k_window(top_k: int | None) -> int | None:
@@ -346,12 +349,13 @@ def draw_filtered(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     but where a top-p running sum lies within float32 rounding of the cut (the sums are added in
     another order). Otherwise :func:`filter_scores`' torch ops and :func:`draw`."""
     key = seed_key(seed, logits.device) if isinstance(seed, int) else seed
+    _same_device("draw_filtered", logits, key, sequence, position)
     vocab = logits.shape[-1]
     if use_top_k and k_window is not None and k_window < vocab and _fused_wanted(key, fused, "draw_filtered"):
         scores = logits.float() / temperature
         window, index = scores.topk(k_window, dim=-1)
-        seq = sequence.to(device=logits.device, dtype=torch.int64)
-        pos = position.to(device=logits.device, dtype=torch.int64)
+        seq = sequence.to(torch.int64)
+        pos = position.to(torch.int64)
         return _fused_module().window_draw_fused(scores, window, index, top_k, top_p_cut, key.to(torch.int64),
                                                  seq, pos, top_p=use_top_p)
     scores = filter_scores(logits, temperature, top_k, top_p_cut, use_top_k=use_top_k, use_top_p=use_top_p,
@@ -359,10 +363,18 @@ def draw_filtered(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return draw(scores, key, sequence, position, fused=fused)
 
 
+def _same_device(caller: str, scores: torch.Tensor, key: torch.Tensor, sequence: torch.Tensor,
+                 position: torch.Tensor) -> None:
+    """A copy to the device inside a captured body would fail late (or sync): refuse it now."""
+    for name, t in (("the key", key), ("sequence", sequence), ("position", position)):
+        if t.device != scores.device:
+            raise ValueError(f"{caller}: expected {name} on the logits' device {scores.device}, got {t.device}")
+
+
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, sequence: torch.Tensor,
                   position: torch.Tensor) -> torch.Tensor:
-    """One token per row of ``logits`` (``(batch, vocab)``): greedy, or drawn with ``params`` at the
-    uniform number of ``(params.seed, sequence[i], position[i])`` (:func:`uniform`). Long, ``(batch,)``."""
+    """One token per row of ``logits`` (``(batch, vocab)``): greedy, or drawn with ``params`` from the
+    stream of ``(params.seed, sequence[i], position[i])`` (:func:`draw_filtered`). Long, ``(batch,)``."""
     if not params.do_sample:
         return logits.argmax(dim=-1)
     if params.seed is None:
@@ -386,8 +398,9 @@ def draw(scores: torch.Tensor, seed: int | torch.Tensor, sequence: torch.Tensor,
     the same float64 operations (where the two logs round alike: on a GPU, the same libdevice ``log``)."""
     b, vocab = scores.shape
     key = seed_key(seed, scores.device) if isinstance(seed, int) else seed
-    seq = sequence.to(device=scores.device, dtype=torch.int64).reshape(-1, 1)
-    pos = position.to(device=scores.device, dtype=torch.int64).reshape(-1, 1)
+    _same_device("draw", scores, key, sequence, position)
+    seq = sequence.to(torch.int64).reshape(-1, 1)
+    pos = position.to(torch.int64).reshape(-1, 1)
     if _fused_wanted(key, fused, "draw"):
         return _fused_module().gumbel_max_fused(scores.float(), key.to(torch.int64), seq, pos)
     lane = torch.arange(1, vocab + 1, dtype=torch.int64, device=scores.device).view(1, vocab)

@@ -163,12 +163,12 @@ def _link(arch: int) -> list[tuple[str, bytes]]:
     return [(f"linked cubin sm_{arch}", link_cubin(cubin, arch, libraries=(devrt,)))]
 
 
-def _loaded(device: int, label: str, fns: list[Any]) -> LauncherKernels:
+def _make_kernels(device: int, label: str, fns: list[Any]) -> LauncherKernels:
     logger.debug("gfxgraph: device-launch kernels loaded on cuda:%d (%s)", device, label)
     return LauncherKernels(device, label, *fns)
 
 
-_cache = KernelCache(_link, _NAMES, _loaded)
+_cache = KernelCache(_link, _NAMES, _make_kernels)
 
 
 def launcher_kernels(device: int | None = None) -> LauncherKernels:

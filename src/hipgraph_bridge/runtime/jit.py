@@ -251,10 +251,10 @@ def link_cubin(cubin: bytes, arch: int, *, libraries: Sequence[str] = ()) -> byt
         nvjitlink.destroy(handle)
 
 
-K = TypeVar("K")
+_K = TypeVar("_K")
 
 
-class KernelCache(Generic[K]):
+class KernelCache(Generic[_K]):
     """Kernels compiled once per architecture and loaded once per device.
 
     ``build(arch)`` returns the images to try for an architecture (``[(label, image)]``,
@@ -265,13 +265,13 @@ class KernelCache(Generic[K]):
     """
 
     def __init__(self, build: Callable[[int], Sequence[tuple[str, bytes]]], names: Sequence[str],
-                 make: Callable[[int, str, list[Any]], K]) -> None:
+                 make: Callable[[int, str, list[Any]], _K]) -> None:
         self._build, self._names, self._make = build, tuple(names), make
         self._lock = threading.Lock()
         self._images: dict[int, Sequence[tuple[str, bytes]]] = {}  # arch -> images, built once
-        self._loaded: dict[int, K] = {}  # device -> kernels
+        self._loaded: dict[int, _K] = {}  # device -> kernels
 
-    def get(self, device: int | None = None) -> K:
+    def get(self, device: int | None = None) -> _K:
         """The kernels of ``device`` (default: the current one), built and loaded on first use."""
         dev = torch.cuda.current_device() if device is None else int(device)
         found = self._loaded.get(dev)
