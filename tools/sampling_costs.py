@@ -1,0 +1,120 @@
+"""Where a sampled token's time goes: each piece of the draw captured alone in a CUDA graph and replayed.
+
+A diagnostic for issue 26 (not a suite: no targets). For each vocabulary and batch size it times, per
+token, ``argmax`` (greedy's choice), the plain temperature draw, and the pieces of top-k 50 with top-p
+0.9: the float32 scores, ``topk`` of the 64-token window, the tie count, the fused window kernel, the
+whole ``draw_filtered``, and top-p's one sort. Each piece is captured once into its own graph and
+replayed ``--replays`` times between two CUDA events (the median of 5 such runs).
+
+    python tools/sampling_costs.py --out bench-out          # a GPU: JSON and a table
+    python tools/sampling_costs.py --cpu-smoke              # no GPU: runs every piece once, times nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hipgraph_bridge.generation import sampling
+from hipgraph_bridge.generation.sampling import (draw, draw_filtered, filter_scores, filter_tensors, seed_key,
+                                                 top_k_window)
+
+
+def pieces(logits: torch.Tensor) -> dict[str, Callable[[], Any]]:
+    """The pieces to time, each a function of ``logits`` (``(batch, vocab)`` bf16) and fixed settings."""
+    b, vocab = logits.shape
+    dev = logits.device
+    key, seq, pos = seed_key(1, dev), torch.arange(b, device=dev), torch.zeros((), dtype=torch.long, device=dev)
+    t, k, cut = filter_tensors(0.8, 50, 0.9, vocab, dev)
+    window = top_k_window(50)
+    scores = logits.float() / t
+    top, index = scores.topk(window, dim=-1)
+    fused = sampling.fused_unavailable_reason() is None and dev.type == "cuda"
+
+    def tie_count() -> torch.Tensor:
+        kth = top.gather(1, (k - 1).clamp(min=0, max=window - 1).view(1, 1).expand(b, 1))
+        return (scores == kth).sum(dim=1)
+
+    out: dict[str, Callable[[], Any]] = {
+        "argmax (greedy)": lambda: logits.argmax(dim=-1),
+        "temperature draw (scores + Gumbel-max)": lambda: draw_filtered(
+            logits, t, k, cut, key, seq, pos, use_top_k=False, use_top_p=False, k_window=None),
+        "scores: logits.float() / t": lambda: logits.float() / t,
+        f"topk({window}) of the scores": lambda: scores.topk(window, dim=-1),
+        "tie count at the k-th value": tie_count,
+        "top-k 50 + top-p 0.9, draw_filtered (whole)": lambda: draw_filtered(
+            logits, t, k, cut, key, seq, pos, use_top_k=True, use_top_p=True, k_window=window),
+        "top-p 0.9 alone: one sort + draw": lambda: draw(filter_scores(
+            logits, t, k, cut, use_top_k=False, use_top_p=True), key, seq, pos),
+    }
+    if fused:
+        module = sampling._fused_module()  # noqa: SLF001 - the diagnostic times the kernel on its own
+        out["window kernel alone"] = lambda: module.window_draw_fused(scores, top, index, k, cut, key, seq, pos,
+                                                                      top_p=True)
+    return out
+
+
+def time_graph(fn: Callable[[], Any], replays: int) -> float:
+    """Microseconds per replay of ``fn`` captured alone (median of 5 runs of ``replays`` replays)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(10):  # ten in one graph: the launch of the graph is not the piece's cost
+            fn()
+    runs = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        runs.append(start.elapsed_time(end) * 1e3 / (replays * 10))
+    return statistics.median(runs)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench-out")
+    p.add_argument("--replays", type=int, default=50)
+    p.add_argument("--cpu-smoke", action="store_true", help="run every piece once on the CPU, time nothing")
+    args = p.parse_args()
+    if args.cpu_smoke:
+        for vocab in (300,):
+            for name, fn in pieces(torch.randn(2, vocab).to(torch.bfloat16)).items():
+                fn()
+                print(f"ran: {name}")
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("sampling_costs: needs a GPU (--cpu-smoke runs the pieces on the CPU)")
+    sampling.prepare_fused("cuda", k_window=top_k_window(50), top_p=True)
+    results: dict[str, dict[str, float]] = {}
+    for vocab in (32000, 128256):
+        for b in (1, 4):
+            logits = torch.randn(b, vocab, device="cuda", generator=torch.Generator("cuda").manual_seed(b))
+            logits = (logits * 3).to(torch.bfloat16)
+            case = results[f"vocab {vocab} bs {b}"] = {}
+            for name, fn in pieces(logits).items():
+                case[name] = time_graph(fn, args.replays)
+                print(f"vocab {vocab} bs {b}: {name}: {case[name]:.1f} us", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "sampling_costs.json")
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "us_per_call": results}, f,
+                  indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
