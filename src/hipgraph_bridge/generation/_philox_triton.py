@@ -24,9 +24,9 @@ per-block maxima, the window kernel's tie counts, contiguous copies where a
 stride asks: a capture routes them to its pool) and read nothing on the host.
 A kernel's JIT compile and module load happen at its first call (the window
 kernel's once per window size and per top-p on or off): call :func:`prepare`
-(or run the code eagerly once, as a capture's warm-up does) before a capture. The launch specialises on nothing that differs between a
-warm-up and the capture of the same call (sizes and strides are not
-specialised).
+(or run the code eagerly once, as a capture's warm-up does) before a capture.
+The launches specialise on nothing that differs between a warm-up and the
+capture of the same call (sizes and strides are not specialised).
 """
 
 from __future__ import annotations

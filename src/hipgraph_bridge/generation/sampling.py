@@ -57,8 +57,9 @@ __all__ = ["FUSED_BY_DEFAULT", "WINDOW_MAX", "SamplingParams", "philox4x32", "un
 
 FUSED_BY_DEFAULT = True
 """What ``fused=None`` does on a GPU where triton imports (:func:`uniform`, :func:`draw`,
-:func:`draw_filtered`): the Triton kernels (True) or the torch reference (False: a switch for the whole process, e.g. to rule the kernel out while debugging; read at each
-call, so set it before a loop captures its body)."""
+:func:`draw_filtered`): the Triton kernels (True) or the torch reference (False: a switch for the whole
+process, e.g. to rule the kernels out while debugging; read at each call, so set it before a loop captures
+its body)."""
 
 _MASK = 0xFFFFFFFF
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox4x32 multipliers
