@@ -47,6 +47,7 @@ from hipgraph_bridge import (
     health_check,
     warmup,
     WarmupReport,
+    compile_regions,
 )
 from hipgraph_bridge import compiled_subgraphs, graph_pool_bytes
 from hipgraph_bridge import stats as _stats
@@ -60,6 +61,7 @@ __all__ = [
     "enable",
     "warmup",
     "WarmupReport",
+    "compile_regions",
     "cache",
     "disable",
     "is_enabled",

@@ -48,13 +48,14 @@ from .graph import GraphCapture, GraphState, OriginalCUDAGraph, SafeCUDAGraph, g
 from .health import health_check
 from .platform import Platform, probe
 from .runtime import current_runtime, get_runtime
-from .startup import WarmupReport, warmup
+from .startup import WarmupReport, compile_regions, warmup
 from .validation import outputs_match, tolerance_for
 
 __version__ = "0.1.0"
 
 __all__ = [
     "warmup",
+    "compile_regions",
     "WarmupReport",
     "PoolOptions",
     "Fallback",

@@ -87,6 +87,14 @@ __all__ = [
     "inductor_config_keys",
     "op_writes",
     "RowDispatchMode",
+    "op_kind",
+    "OP_PLAIN",
+    "OP_COMPOSITE",
+    "OP_REGION",
+    "OP_HIGHER_ORDER",
+    "inline_subgraph",
+    "subgraph_operand_placeholder",
+    "size_oblivious_tracing",
     "static_fake_mode",
     "is_fake",
     "generator_states_track_graphs",
@@ -437,11 +445,45 @@ def op_writes(op: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
 class RowDispatchMode(TorchDispatchMode):
     """The dispatch mode the row analysis traces with, without the wrapper that keeps dynamo out of
     ``__torch_dispatch__`` (torch 2.12+: a frame hook per op, a fifth of the mode's cost). Nothing
-    here is compiled, so the wrapper protects nothing."""
+    here is compiled, so the wrapper protects nothing.
+
+    Higher-order operators reach ``__torch_dispatch__`` too (``supports_higher_order_operators``):
+    :func:`inline_subgraph` runs a region's subgraph under the mode, its ops traced one by one; the
+    mode refuses any other such operator (:func:`op_kind`), and the analysis counts the graph as
+    unproven."""
+
+    supports_higher_order_operators = True
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         return False
+
+
+OP_PLAIN, OP_COMPOSITE, OP_REGION, OP_HIGHER_ORDER = 0, 1, 2, 3
+
+
+def op_kind(func: Any) -> int:
+    """What a dispatch mode is handed: :data:`OP_PLAIN` (an op to run), :data:`OP_COMPOSITE` (a
+    ``CompositeImplicitAutograd`` op, which autograd normally decomposes before any mode sees it;
+    inside a region's subgraph it arrives whole and ``func.decompose(...)`` runs that kernel),
+    :data:`OP_REGION` (``invoke_subgraph``: :func:`inline_subgraph`) or :data:`OP_HIGHER_ORDER`
+    (another higher-order operator). Cheap enough to cache per op by the caller."""
+    if isinstance(func, torch._ops.HigherOrderOperator):
+        region = getattr(getattr(torch.ops, "higher_order", None), "invoke_subgraph", None)
+        return OP_REGION if func is region else OP_HIGHER_ORDER
+    try:
+        composite = torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+    except (AttributeError, RuntimeError, TypeError):
+        composite = False
+    return OP_COMPOSITE if composite else OP_PLAIN
+
+
+def inline_subgraph(args: Sequence[Any]) -> Any:
+    """A call of ``invoke_subgraph`` (:data:`OP_REGION`: a region marked with
+    ``torch.compiler.nested_compile_region``) run as its subgraph on its operands, in the caller's
+    dispatch context (a mode that re-enters itself first sees every op inside). The call's arguments
+    are the subgraph, its identifier, then the operands."""
+    return args[0](*args[2:])
 
 
 def static_fake_mode() -> Any:
@@ -554,6 +596,27 @@ def compile_time_seconds() -> dict[str, float]:
     total = float(sum(metrics.get("_compile.compile_inner", ())))
     backend = float(sum(metrics.get("OutputGraph.call_user_compiler", ())))
     return {"dynamo": max(total - backend, 0.0), "backend": backend}
+
+
+def subgraph_operand_placeholder(user: Any, operand: Any) -> Any:
+    """Where ``user``, a call of the ``invoke_subgraph`` higher-order op (a region marked with
+    ``torch.compiler.nested_compile_region``, traced once however often it is called), passes
+    ``operand`` into its subgraph: that subgraph's placeholder for it. None where ``user`` is not such a
+    call or does not pass ``operand``. The call's arguments are the subgraph (a ``get_attr``), its
+    identifier, then the operands in the subgraph's placeholder order."""
+    hop = getattr(getattr(torch.ops, "higher_order", None), "invoke_subgraph", None)
+    if hop is None or user.op != "call_function" or user.target is not hop:
+        return None
+    module = getattr(user.graph, "owning_module", None)
+    attr = user.args[0] if user.args else None
+    sub = getattr(module, attr.target, None) if getattr(attr, "op", None) == "get_attr" else None
+    if sub is None:
+        return None
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    for k, a in enumerate(user.args[2:]):
+        if a is operand and k < len(placeholders):
+            return placeholders[k]
+    return None
 
 
 def size_oblivious_tracing() -> Any:

@@ -46,7 +46,8 @@ from typing import Any, Literal
 import torch
 from torch import fx
 
-from .._torch_compat import collective_op_name, static_address_type, sym_expr, sym_hint, sym_range
+from .._torch_compat import (collective_op_name, static_address_type, subgraph_operand_placeholder, sym_expr,
+                             sym_hint, sym_range)
 
 __all__ = ["InputSlot", "IntOutput", "GraphPlan", "analyze", "fx_mutated_inputs", "collective_ops", "is_ref",
            "value_use", "VIEW_OPS"]
@@ -187,7 +188,12 @@ def value_use(node: fx.Node) -> fx.Node | None:
     for user in node.users:
         if user.op == "output":
             continue  # returned ints are recomputed per call
-        if _int_like(user.meta.get("example_value")):  # int arithmetic, a size tuple: follow it
+        inner = subgraph_operand_placeholder(user, node)
+        if inner is not None:  # a region traced once (nested_compile_region): how its subgraph uses the int
+            bad = value_use(inner)
+            if bad is not None:
+                return bad
+        elif _int_like(user.meta.get("example_value")):  # int arithmetic, a size tuple: follow it
             bad = value_use(user)
             if bad is not None:
                 return bad

@@ -43,7 +43,7 @@ from typing import Any, NamedTuple, Union
 
 import torch
 
-from .._torch_compat import RowDispatchMode, op_writes, pytree
+from .._torch_compat import OP_COMPOSITE, OP_REGION, RowDispatchMode, inline_subgraph, op_kind, op_writes, pytree
 from ..fallbacks import Reason
 
 __all__ = ["Rows", "Mixed", "Label", "RowVerdict", "RowTracer", "join"]
@@ -156,6 +156,7 @@ def _arg(args: Sequence[Any], kwargs: dict[str, Any], pos: int, name: str, defau
     return kwargs.get(name, default)
 
 
+_KINDS: dict[int, int] = {}  # id(op) -> op_kind(op), for the rare ops the dispatch handles apart
 _CREATED, _INPUT, _EXTERNAL, _MADE = 0, 1, 2, 3  # what a tensor is to the traced call (_MADE: by a factory)
 _Entry = tuple  # (weakref to the tensor, label, kind, weakref to the tensor it views or None)
 
@@ -200,6 +201,13 @@ class RowTracer(RowDispatchMode):
 
     # ------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        kind = _KINDS.get(id(func))
+        if kind is None:
+            kind = _KINDS[id(func)] = op_kind(func)
+        if kind:  # inside a region (nested_compile_region) ops arrive before autograd's decomposition
+            out = self._special(func, kind, args, kwargs or {})
+            if out is not NotImplemented:
+                return out
         if self._scalars is not None and func is _ITEM and self.label(args[0]) is None:
             self.ops += 1
             return self._scalars.get(id(args[0]), 1)
@@ -238,6 +246,19 @@ class RowTracer(RowDispatchMode):
         except Exception as exc:  # a rule that fails is an unknown op, never the model's error
             self._unknown(func, args, kwargs or {}, out, f"{func}: the row analysis failed on it ({exc})")
         return out
+
+    def _special(self, func: Any, kind: int, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        """A region's call (its subgraph's ops traced, each through this mode), a composite op (its
+        decomposition's parts traced), or another higher-order operator (refused: the graph is unproven).
+        ``NotImplemented``: trace the op as any other."""
+        if kind == OP_REGION:
+            with self:
+                return inline_subgraph(args)
+        if kind == OP_COMPOSITE:
+            with self:
+                return func.decompose(*args, **kwargs)  # NotImplemented: no kernel after all, traced as it is
+        raise NotImplementedError(f"{getattr(func, '__name__', func)} is a higher-order operator the row "
+                                  "analysis does not follow")
 
     def _host(self, func: Any) -> None:
         self.host_read = (f"the model reads batch values on the host ({func.overloadpacket}, e.g. .item(), "
