@@ -83,6 +83,40 @@ def test_a_region_that_uses_the_batch_size_as_a_value_is_refused():
     assert plan.unsupported is not None and plan.unsupported[0] == "batch_value"
 
 
+@torch.compiler.nested_compile_region
+def by_numel(x):
+    return x * x.numel()
+
+
+def test_a_region_that_reads_the_batch_from_its_own_tensor_is_refused():
+    """The batch reaches the region inside a tensor, not as an int operand: x.numel() in the subgraph."""
+    plan, _ = _verdict(lambda x: by_numel(by_numel(x)))
+    assert plan.unsupported is not None and plan.unsupported[0] == "batch_value"
+
+
+@torch.compiler.nested_compile_region
+def doubling(x, cache):
+    cache.mul_(2)
+    return x + cache
+
+
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+def test_a_region_that_writes_an_input_is_not_graphed_and_the_write_lands(compiler):
+    """The compiler "eager" leaves no AOT record of mutations: the FX graph's, regions included, tells."""
+    def step(x, cache):
+        return doubling(doubling(x, cache), cache)
+
+    f = torch.compile(step, backend="gfxgraph", options={"compiler": compiler, "simulate_padding": True})
+    with torch.no_grad():
+        for n in (6, 3):
+            x, cache, mine = torch.zeros(n, 8), torch.ones(n, 8), torch.ones(n, 8)
+            if n == 6:
+                torch._dynamo.mark_dynamic(x, 0)
+                torch._dynamo.mark_dynamic(cache, 0)
+            torch.testing.assert_close(f(x, cache), step(x, mine))
+            assert torch.equal(cache, mine)  # the caller's tensor written as eager writes it
+
+
 def test_another_higher_order_op_is_unproven_not_an_error():
     def f(x):
         return torch.cond(x.sum() > 0, lambda x: x * 2, lambda x: x - 1, (x,))
@@ -169,9 +203,12 @@ def test_compile_regions_binds_instances_to_one_region_and_leaves_the_class_alon
         torch.testing.assert_close(c(x), model(x))
     layers[1].__class__ = type(layers[1])._gfxgraph_region_of  # undone
     assert type(layers[1]) is Plain
+    more = torch.nn.Sequential(Plain(), layers[0])  # a Sequential; one bound already: the class's one region
+    assert gfxgraph.compile_regions(more) == 2 and type(more[0]) is type(layers[0])
 
 
-@pytest.mark.parametrize("bad", [[], torch.nn.Linear(2, 2), [torch.nn.Linear(2, 2), torch.nn.ReLU()], [3]])
+@pytest.mark.parametrize("bad", [[], torch.nn.Linear(2, 2), [torch.nn.Linear(2, 2), torch.nn.ReLU()], [3],
+                                 torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())])
 def test_compile_regions_refuses_what_is_not_layers_of_one_class(bad):
     with pytest.raises(TypeError, match="expected"):
         gfxgraph.compile_regions(bad)
@@ -184,3 +221,25 @@ class Plain(torch.nn.Module):
 
     def forward(self, x):
         return x + torch.tanh(self.lin(x))
+
+
+def test_a_llama_traced_under_inference_mode_gets_the_no_grad_verdict():
+    """Under inference_mode autograd is off, so composite ops (linear, scaled_dot_product_attention, ...) reach
+    the row analysis whole: it decomposes them, and the verdict is the one no_grad gives (before, attention in
+    eval mode counted as random ops there)."""
+    transformers = pytest.importorskip("transformers")
+    from _tiny_llama import tiny_llama
+
+    from hipgraph_bridge.padding.rows import RowTracer
+
+    model = tiny_llama(transformers, device="cpu")
+    ids = torch.arange(5).view(5, 1) + 3
+    verdicts = []
+    for ctx in (torch.no_grad, torch.inference_mode):
+        with ctx():
+            tracer = RowTracer([(ids, 0)])
+            with tracer:
+                out = model(input_ids=ids, position_ids=ids, use_cache=False).logits
+            verdicts.append(tracer.verdict(out))
+    assert verdicts[1].reason is verdicts[0].reason and verdicts[1].detail == verdicts[0].detail, verdicts
+    assert verdicts[0].outputs == verdicts[1].outputs

@@ -94,6 +94,7 @@ __all__ = [
     "OP_HIGHER_ORDER",
     "inline_subgraph",
     "subgraph_operand_placeholder",
+    "subgraph_operands",
     "size_oblivious_tracing",
     "static_fake_mode",
     "is_fake",
@@ -464,13 +465,13 @@ OP_PLAIN, OP_COMPOSITE, OP_REGION, OP_HIGHER_ORDER = 0, 1, 2, 3
 
 def op_kind(func: Any) -> int:
     """What a dispatch mode is handed: :data:`OP_PLAIN` (an op to run), :data:`OP_COMPOSITE` (a
-    ``CompositeImplicitAutograd`` op, which autograd normally decomposes before any mode sees it;
-    inside a region's subgraph it arrives whole and ``func.decompose(...)`` runs that kernel),
-    :data:`OP_REGION` (``invoke_subgraph``: :func:`inline_subgraph`) or :data:`OP_HIGHER_ORDER`
-    (another higher-order operator). Cheap enough to cache per op by the caller."""
+    ``CompositeImplicitAutograd`` op: autograd decomposes it before a mode sees it, except where
+    autograd is off, under ``torch.inference_mode`` and inside a region's subgraph, where it arrives
+    whole and ``func.decompose(...)`` runs that kernel), :data:`OP_REGION` (``invoke_subgraph``:
+    :func:`inline_subgraph`) or :data:`OP_HIGHER_ORDER` (another higher-order operator). Cheap enough
+    to cache per op by the caller."""
     if isinstance(func, torch._ops.HigherOrderOperator):
-        region = getattr(getattr(torch.ops, "higher_order", None), "invoke_subgraph", None)
-        return OP_REGION if func is region else OP_HIGHER_ORDER
+        return OP_REGION if func is _INVOKE_SUBGRAPH else OP_HIGHER_ORDER
     try:
         composite = torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
     except (AttributeError, RuntimeError, TypeError):
@@ -598,22 +599,33 @@ def compile_time_seconds() -> dict[str, float]:
     return {"dynamo": max(total - backend, 0.0), "backend": backend}
 
 
-def subgraph_operand_placeholder(user: Any, operand: Any) -> Any:
-    """Where ``user``, a call of the ``invoke_subgraph`` higher-order op (a region marked with
-    ``torch.compiler.nested_compile_region``, traced once however often it is called), passes
-    ``operand`` into its subgraph: that subgraph's placeholder for it. None where ``user`` is not such a
-    call or does not pass ``operand``. The call's arguments are the subgraph (a ``get_attr``), its
-    identifier, then the operands in the subgraph's placeholder order."""
-    hop = getattr(getattr(torch.ops, "higher_order", None), "invoke_subgraph", None)
-    if hop is None or user.op != "call_function" or user.target is not hop:
+_INVOKE_SUBGRAPH = getattr(getattr(torch.ops, "higher_order", None), "invoke_subgraph", None)
+"""The region call (``torch.compiler.nested_compile_region``), looked up once: code that dynamo may trace
+(a dispatch mode under ``torch.cond``) must not touch ``torch.ops``."""
+
+
+def subgraph_operands(node: Any) -> tuple[Any, tuple[Any, ...]] | None:
+    """``(subgraph, operands)`` where the FX node ``node`` calls ``invoke_subgraph`` (a region marked with
+    ``torch.compiler.nested_compile_region``, traced once however often it is called): the region's
+    ``GraphModule`` and the operands in its placeholder order. None for any other node. The call's
+    arguments are the subgraph (a ``get_attr``), its identifier, then the operands."""
+    if _INVOKE_SUBGRAPH is None or node.op != "call_function" or node.target is not _INVOKE_SUBGRAPH:
         return None
-    module = getattr(user.graph, "owning_module", None)
-    attr = user.args[0] if user.args else None
+    module = getattr(node.graph, "owning_module", None)
+    attr = node.args[0] if node.args else None
     sub = getattr(module, attr.target, None) if getattr(attr, "op", None) == "get_attr" else None
-    if sub is None:
+    return None if sub is None else (sub, tuple(node.args[2:]))
+
+
+def subgraph_operand_placeholder(user: Any, operand: Any) -> Any:
+    """Where ``user``, a region's call (:func:`subgraph_operands`), passes ``operand`` into its subgraph:
+    that subgraph's placeholder for it. None where ``user`` is no region call or does not pass it."""
+    found = subgraph_operands(user)
+    if found is None:
         return None
+    sub, operands = found
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-    for k, a in enumerate(user.args[2:]):
+    for k, a in enumerate(operands):
         if a is operand and k < len(placeholders):
             return placeholders[k]
     return None

@@ -46,8 +46,8 @@ from typing import Any, Literal
 import torch
 from torch import fx
 
-from .._torch_compat import (collective_op_name, static_address_type, subgraph_operand_placeholder, sym_expr,
-                             sym_hint, sym_range)
+from .._torch_compat import (collective_op_name, static_address_type, subgraph_operand_placeholder,
+                             subgraph_operands, sym_expr, sym_hint, sym_range)
 
 __all__ = ["InputSlot", "IntOutput", "GraphPlan", "analyze", "fx_mutated_inputs", "collective_ops", "is_ref",
            "value_use", "VIEW_OPS"]
@@ -330,7 +330,9 @@ class _Analysis:
     def _check_batch_used_as_size(self) -> None:
         if self.batch_symbol is None:
             return
-        for n in _nodes_with_symbol(self.gm, self.batch_symbol):
+        # regions' subgraphs too: a region may read the batch from its own tensors (x.numel())
+        graphs = [m for m in self.gm.modules() if isinstance(m, fx.GraphModule)]
+        for n in (n for g in graphs for n in _nodes_with_symbol(g, self.batch_symbol)):
             bad = value_use(n)
             if bad is not None:
                 self._refuse("batch_value", f"the batch size ({n.name}) is used as a value by "
@@ -418,6 +420,12 @@ def fx_mutated_inputs(gm: fx.GraphModule) -> frozenset[int]:
     mutated: set[int] = set()
     for node in gm.graph.nodes:
         if node.op not in ("call_method", "call_function") or not node.args:
+            continue
+        inner = subgraph_operands(node)
+        if inner is not None:  # a region: the operands its subgraph writes, as the caller's inputs
+            sub, operands = inner
+            written = fx_mutated_inputs(sub)
+            mutated.update(base[a] for k, a in enumerate(operands) if k in written and a in base)
             continue
         first = node.args[0]
         root = base.get(first) if isinstance(first, fx.Node) else None

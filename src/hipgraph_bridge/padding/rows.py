@@ -204,7 +204,7 @@ class RowTracer(RowDispatchMode):
         kind = _KINDS.get(id(func))
         if kind is None:
             kind = _KINDS[id(func)] = op_kind(func)
-        if kind:  # inside a region (nested_compile_region) ops arrive before autograd's decomposition
+        if kind:  # a region's call; a composite op (autograd off: inference_mode, a region's subgraph)
             out = self._special(func, kind, args, kwargs or {})
             if out is not NotImplemented:
                 return out

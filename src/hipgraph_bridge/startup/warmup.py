@@ -138,8 +138,11 @@ def _warm_compiled(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
                 for t in _batched(call_args, call_kwargs, b, batch_dim, static):
                     maybe_mark_dynamic(t, batch_dim)
             lazy = _lazy_frames()
+            # the first call traces the frame every later size reuses, and compiles it (a dynamic frame
+            # compiles in its first call: torch reads backed_size_oblivious then, so a compile put off to a
+            # later call would run without it)
             with oblivious if (oblivious is not None and i == 0) else contextlib.nullcontext():
-                fn(*call_args, **call_kwargs)  # the first call traces the frame every later size reuses
+                fn(*call_args, **call_kwargs)
             # a frame dynamo specialised for this size (size 1 always) runs its traced graph eagerly until
             # its static_compile_after-th call: call again until it is compiled and captured
             for _ in range(_LAZY_RETRIES if torch.cuda.is_available() else 0):  # no GPU: nothing to capture
