@@ -495,3 +495,30 @@ def test_a_mixed_stream_captures_once_per_batch_and_bucket_and_replays_when_both
     assert again["calls"] == {"piecewise": 6 + 7, "full": 0, "eager": 0} and whole.calls == 1, again
     assert again["piece_captures"] == first["piece_captures"] and again["piece_replays"] == 3 * len(MIXED), again
     assert again["piece_eager_runs"] == 0
+
+
+@pytest.mark.skipif(not hasattr(torch.compiler, "nested_compile_region"), reason="needs nested_compile_region")
+def test_a_region_that_reads_the_token_count_from_its_tensor_is_not_padded():
+    """x.numel() inside a region (its subgraph) is the token count used as a value: the piece is not padded,
+    and every length equals eager."""
+    @torch.compiler.nested_compile_region
+    def scaled(x):
+        return x * x.numel()
+
+    class Flat(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.qkv, self.o = nn.Linear(16, 48), nn.Linear(16, 16)
+
+        def forward(self, x):
+            x = scaled(scaled(x))
+            q, k, v = self.qkv(x).view(1, x.shape[0], 3, 2, 8).permute(2, 0, 3, 1, 4)
+            return self.o(F.scaled_dot_product_attention(q, k, v).permute(0, 2, 1, 3).reshape(x.shape[0], 16))
+
+    m = Flat().eval()
+    c = torch.compile(m, backend="gfxgraph", options={**PIECEWISE, "token_dim": 0})
+    with torch.no_grad():
+        for n in (5, 7, 19):
+            x = torch.randn(n, 16) / 100
+            torch.testing.assert_close(c(x), m(x))

@@ -143,7 +143,8 @@ class Piece:
         if compound:
             return Fallback(Reason.SIZE_EXPRESSION, f"{self.name}: {compound[0]}, which padding cannot slice back",
                             logging.INFO)
-        for node in module.graph.nodes:
+        graphs = [m for m in module.modules() if isinstance(m, fx.GraphModule)]  # regions' subgraphs too
+        for node in (n for g in graphs for n in g.graph.nodes):
             e = sym_expr(node.meta.get("example_value"))
             if e is not None and token in e.free_symbols and (bad := value_use(node)) is not None:
                 return Fallback(Reason.SIZE_AS_VALUE, f"{self.name}: the token count is used as a value by "
