@@ -111,17 +111,23 @@ def frame_symbols(frame: PiecewiseSubgraph) -> list:
     return sorted(frame._carriers, key=lambda s: frame._carriers[s][1] or 0)
 
 
+class Flat(nn.Module):
+    """vLLM-style attention over (tokens, hidden); ``pre`` runs on the input first."""
+
+    def __init__(self, pre=None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv, self.o = nn.Linear(16, 48), nn.Linear(16, 16)
+        self.pre = pre
+
+    def forward(self, x):
+        if self.pre is not None:
+            x = self.pre(x)
+        q, k, v = self.qkv(x).view(1, x.shape[0], 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return self.o(F.scaled_dot_product_attention(q, k, v).permute(0, 2, 1, 3).reshape(x.shape[0], 16))
+
+
 def test_token_dim_option_and_dim_zero_tokens():
-    class Flat(nn.Module):  # vLLM-style (tokens, hidden)
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.qkv, self.o = nn.Linear(16, 48), nn.Linear(16, 16)
-
-        def forward(self, x):
-            q, k, v = self.qkv(x).view(1, x.shape[0], 3, 2, 8).permute(2, 0, 3, 1, 4)
-            return self.o(F.scaled_dot_product_attention(q, k, v).permute(0, 2, 1, 3).reshape(x.shape[0], 16))
-
     m = Flat().eval()
     c = torch.compile(m, backend="gfxgraph", options={**PIECEWISE, "token_dim": 0})
     with torch.no_grad():
@@ -505,18 +511,7 @@ def test_a_region_that_reads_the_token_count_from_its_tensor_is_not_padded():
     def scaled(x):
         return x * x.numel()
 
-    class Flat(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.qkv, self.o = nn.Linear(16, 48), nn.Linear(16, 16)
-
-        def forward(self, x):
-            x = scaled(scaled(x))
-            q, k, v = self.qkv(x).view(1, x.shape[0], 3, 2, 8).permute(2, 0, 3, 1, 4)
-            return self.o(F.scaled_dot_product_attention(q, k, v).permute(0, 2, 1, 3).reshape(x.shape[0], 16))
-
-    m = Flat().eval()
+    m = Flat(pre=lambda x: scaled(scaled(x))).eval()
     c = torch.compile(m, backend="gfxgraph", options={**PIECEWISE, "token_dim": 0})
     with torch.no_grad():
         for n in (5, 7, 19):
