@@ -195,12 +195,14 @@ def test_fused_draw_equals_the_reference(vocab):
     assert torch.equal(draw(wide, 3, seq, pos, fused=True), draw(wide, 3, seq, pos, fused=False))
 
 
-@pytest.mark.parametrize("vocab", [17, 100, 32000, 128256])
-def test_fused_top_k_top_p_draw_equals_the_reference(vocab):
+@pytest.mark.parametrize("vocab,dtype", [(17, torch.float32), (100, torch.float32), (32000, torch.float32),
+                                         (128256, torch.float32), (100, torch.bfloat16), (32000, torch.bfloat16)])
+def test_fused_top_k_top_p_draw_equals_the_reference(vocab, dtype):
     """topk's window, top-k, top-p and the draw in one kernel against filter_scores() then draw() in torch ops,
     on logits rounded to quarters so that ties are many (row 0: 40 tied at the k-th value, beyond a small
     window; row 1: only 5 finite tokens, so a k above 5 has -inf for its k-th value; row 2: every token tied).
-    Top-k alone: the same tokens. With top-p the kernel adds its float32 running sums in another order (and
+    The kernels read the logits in their own dtype (bf16: exactly the quarters) and divide by the temperature
+    themselves. The temperature alone and top-k alone: the same tokens. With top-p the kernel adds its float32 running sums in another order (and
     triton's exp is not torch's), so a sum within rounding of the cut may fall the other way: at most 1% of
     the draws differ; every token drawn has a finite logit."""
     _triton_or_skip()
@@ -210,12 +212,13 @@ def test_fused_top_k_top_p_draw_equals_the_reference(vocab):
         logits[0, 7:47] = logits[0].max() - 0.25
     logits[1, 5:] = -float("inf")
     logits[2] = 0.5
+    logits = logits.to(dtype)
     seq = torch.arange(4, device="cuda")
     differ = total = 0
-    for k, p in [(1, None), (5, None), (16, None), (50, None), (5, 0.9), (16, 0.9), (50, 0.9), (50, 0.3),
+    for k, p in [(None, None), (1, None), (5, None), (16, None), (50, None), (5, 0.9), (16, 0.9), (50, 0.9), (50, 0.3),
                  (10, 0.99), (1000, 0.95)]:
         settings = filter_tensors(0.8, k, p, vocab, "cuda")
-        flags = dict(use_top_k=True, use_top_p=p is not None, k_window=top_k_window(k))
+        flags = dict(use_top_k=k is not None, use_top_p=p is not None, k_window=top_k_window(k))
         for seed in (0, 5, 2**63):
             for pos in (torch.tensor(7, device="cuda"), torch.tensor([1, 2, 3, 2**33], device="cuda")):
                 fused = draw_filtered(logits, *settings, seed, seq, pos, fused=True, **flags)
@@ -228,12 +231,34 @@ def test_fused_top_k_top_p_draw_equals_the_reference(vocab):
     assert differ <= total // 100, (differ, total)
 
 
+def test_fused_draws_see_ties_that_the_temperature_makes():
+    """The window is topk of the logits; dividing by the temperature can merge distinct logits into one score
+    (here subnormal scores, whose precision is low): the kernel finds the k-th value tied with the window's
+    last and counts and draws the ties over the row, as the reference does on the divided scores."""
+    _triton_or_skip()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    logits = 1e-3 * (1 + torch.randint(0, 64, (4, 3000), device="cuda", generator=g) * 2.0**-20)
+    seq = torch.arange(4, device="cuda")
+    for k, p in [(None, None), (10, None), (16, None), (10, 0.9), (40, 0.5)]:
+        settings = filter_tensors(1e37, k, p, 3000, "cuda")
+        scaled = logits / settings[0]
+        if k is not None:
+            assert (scaled.topk(top_k_window(k)).values[:, -1] == scaled.topk(k).values[:, -1]).all()
+        flags = dict(use_top_k=k is not None, use_top_p=p is not None, k_window=top_k_window(k))
+        for seed in (0, 3):
+            fused = draw_filtered(logits, *settings, seed, seq, torch.tensor(5, device="cuda"), fused=True, **flags)
+            ref = draw(filter_scores(logits, *settings, **flags), seed, seq, torch.tensor(5, device="cuda"),
+                       fused=False)
+            assert torch.equal(fused, ref), (k, p, fused.tolist(), ref.tolist())
+
+
 def test_the_fused_top_k_kernel_is_loaded_before_a_capture_without_a_warm_up():
     """prepare_fused(k_window=, top_p=) compiles the window kernel of that variant: a capture of draw_filtered
     with no eager run before it records the launch, and each replay draws the reference's tokens."""
     _triton_or_skip()
     assert sampling.prepare_fused("cuda", k_window=64, top_p=True) is True
     logits = torch.randn(4, 5000, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2)) * 3
+    logits = logits.to(torch.bfloat16)  # prepared for each floating dtype
     settings = filter_tensors(0.9, 50, 0.9, 5000, "cuda")
     key, seq = seed_key(4, "cuda"), torch.arange(4, device="cuda")
     pos = torch.zeros((), dtype=torch.long, device="cuda")

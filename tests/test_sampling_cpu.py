@@ -154,30 +154,46 @@ def test_fused_kernel_matches_the_reference_in_tritons_interpreter(py):
             scalar = torch.tensor(2**40 + 7)  # broadcast: stride 0
             assert torch.equal(uniform_fused(key, seq, scalar), uniform(key, seq, scalar, fused=False)), seed
         # the draws: Gumbel-max, and top-k (+ top-p) in one kernel, on logits with ties, -inf and a masked tail
-        from hipgraph_bridge.generation._philox_triton import gumbel_max_fused, window_draw_fused
+        import hipgraph_bridge.generation._philox_triton as kernels
+        from hipgraph_bridge.generation._philox_triton import gumbel_max_fused, topk_draw_fused
         from hipgraph_bridge.generation.sampling import draw, filter_scores, filter_tensors, top_k_window
-        for vocab in (17, 300, 2500):
-            logits = torch.round(torch.randn(4, vocab, generator=g) * 8) / 4
-            logits[1, 5:] = -float("inf")  # k beyond the finite tokens: the k-th value is -inf
-            logits[2] = 0.5  # every token tied
+        tiny = torch.full((4, 300), 1e-3) * (1 + torch.randint(0, 64, (4, 300), generator=g) * 2.0**-20)
+        cases = [(torch.round(torch.randn(4, vocab, generator=g) * 8) / 4, 0.7) for vocab in (17, 300, 2500)]
+        cases.append((cases[1][0].to(torch.bfloat16), 0.7))  # the logits' dtype: the kernels read it
+        # a temperature that merges distinct logits into ties (subnormal scores): ties beyond the window
+        cases.append((tiny, 1e37))
+        cases.append((cases[1][0], 0.7))  # again with at most 2 programs a row: each reads its share in steps
+        # the interpreter's bitonic top-k is slow: top-k programs of 128 tokens a step (any power of two
+        # >= the window serves), at most 4 of them a row, and for the last case 2 a row (several steps each)
+        kernels._TOPK_SUB = 128
+        for n, (logits, temp) in enumerate(cases):
+            kernels._TOPK_PROGRAMS, kernels._DRAW_PROGRAMS = (2, 2) if n == len(cases) - 1 else (4, 64)
+            vocab = logits.shape[1]
+            if temp < 1:
+                logits[1, 5:] = -float("inf")  # k beyond the finite tokens: the k-th value is -inf
+                logits[2] = 0.5  # every token tied
             seq = torch.arange(4)
             for pos in (torch.tensor(3), torch.tensor([0, 7, 2**33, 9])):
-                ref = draw(logits, 5, seq, pos, fused=False)
+                ref = draw(logits.float(), 5, seq, pos, fused=False)
                 assert torch.equal(gumbel_max_fused(logits, seed_key(5, "cpu"), seq, pos), ref), vocab
+                t = filter_tensors(temp, None, None, vocab, "cpu")[0]
+                ref = draw(logits.float() / t, 5, seq, pos, fused=False)
+                got = gumbel_max_fused(logits, seed_key(5, "cpu"), seq, pos, temperature=t)
+                assert torch.equal(got, ref), (vocab, temp)
                 for k, p in [(1, None), (10, None), (16, 0.9), (40, 0.5), (100, 0.95)]:
                     w = top_k_window(k)
-                    if w is None or w >= vocab:
+                    if w is None or w >= vocab or pos.dim() == 0 or vocab > 300:  # the interpreter's time
                         continue
-                    t, kk, cut = filter_tensors(0.7, k, p, vocab, "cpu")
+                    t, kk, cut = filter_tensors(temp, k, p, vocab, "cpu")
                     flags = dict(use_top_k=True, use_top_p=p is not None, k_window=w)
                     want = draw(filter_scores(logits, t, kk, cut, **flags), 5, seq, pos, fused=False)
-                    scores = logits / t
-                    window, index = scores.topk(w, dim=-1)
-                    got = window_draw_fused(scores, window, index, kk, cut, seed_key(5, "cpu"), seq, pos,
-                                            top_p=p is not None)
-                    assert torch.equal(got, want), (vocab, k, p, got.tolist(), want.tolist())
+                    got = topk_draw_fused(logits, t, kk, cut, seed_key(5, "cpu"), seq, pos, window=w,
+                                          top_p=p is not None)
+                    assert torch.equal(got, want), (vocab, temp, k, p, got.tolist(), want.tolist())
+        scaled = tiny / filter_tensors(1e37, None, None, 300, "cpu")[0]
+        assert (scaled.topk(16).values[:, -1:] == scaled.topk(16).values[:, 9:10]).all()  # the case is the one meant
         print("ok")
-    """, env={"TRITON_INTERPRET": "1"}, timeout=300)
+    """, env={"TRITON_INTERPRET": "1"}, timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
 
 

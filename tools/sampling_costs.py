@@ -33,21 +33,15 @@ def pieces(logits: torch.Tensor) -> dict[str, Callable[[], Any]]:
     key, seq, pos = seed_key(1, dev), torch.arange(b, device=dev), torch.zeros((), dtype=torch.long, device=dev)
     t, k, cut = filter_tensors(0.8, 50, 0.9, vocab, dev)
     window = top_k_window(50)
-    scores = logits.float() / t
-    top, index = scores.topk(window, dim=-1)
     fused = sampling.fused_unavailable_reason() is None and dev.type == "cuda"
-
-    def tie_count() -> torch.Tensor:
-        kth = top.gather(1, (k - 1).clamp(min=0, max=window - 1).view(1, 1).expand(b, 1))
-        return (scores == kth).sum(dim=1)
 
     out: dict[str, Callable[[], Any]] = {
         "argmax (greedy)": lambda: logits.argmax(dim=-1),
-        "temperature draw (scores + Gumbel-max)": lambda: draw_filtered(
+        "temperature draw (Gumbel-max, t divided in the kernel)": lambda: draw_filtered(
             logits, t, k, cut, key, seq, pos, use_top_k=False, use_top_p=False, k_window=None),
-        "scores: logits.float() / t": lambda: logits.float() / t,
-        f"topk({window}) of the scores": lambda: scores.topk(window, dim=-1),
-        "tie count at the k-th value": tie_count,
+        "scores: logits.float() / t (no longer run)": lambda: logits.float() / t,
+        f"topk({window}) of the logits": lambda: logits.topk(window, dim=-1),
+        f"topk({window}) of the logits, unsorted": lambda: logits.topk(window, dim=-1, sorted=False),
         "top-k 50 + top-p 0.9, draw_filtered (whole)": lambda: draw_filtered(
             logits, t, k, cut, key, seq, pos, use_top_k=True, use_top_p=True, k_window=window),
         "top-p 0.9 alone: one sort + draw": lambda: draw(filter_scores(
@@ -55,8 +49,8 @@ def pieces(logits: torch.Tensor) -> dict[str, Callable[[], Any]]:
     }
     if fused:
         module = sampling._fused_module()  # noqa: SLF001 - the diagnostic times the kernel on its own
-        out["window kernel alone"] = lambda: module.window_draw_fused(scores, top, index, k, cut, key, seq, pos,
-                                                                      top_p=True)
+        out["top-k + top-p kernel alone"] = lambda: module.topk_draw_fused(logits, t, k, cut, key, seq, pos,
+                                                                           window=window, top_p=True)
     return out
 
 

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["uniform_fused", "gumbel_max_fused", "window_draw_fused", "prepare"]
+__all__ = ["uniform_fused", "gumbel_max_fused", "topk_draw_fused", "prepare"]
 
 # Integer literals above 2**31 are uint32 in triton: the products and sums below wrap at 32 bits,
 # as Philox's words do.
@@ -46,8 +46,11 @@ _M1: tl.constexpr = tl.constexpr(0xCD9E8D57)
 _W0: tl.constexpr = tl.constexpr(0x9E3779B9)  # Weyl key increments
 _W1: tl.constexpr = tl.constexpr(0xBB67AE85)
 _BLOCK = 256
-_VOCAB_BLOCK = 2048  # tokens per program of the Gumbel-max kernel: 16 programs a row at 32k, 63 at 128k
-_ROW_BLOCK = 1024  # tokens per step of the window kernel's pass over a row (ties beyond its window)
+_VOCAB_BLOCK = 2048  # tokens per step of a Gumbel-max program
+_DRAW_PROGRAMS = 64  # at most, per row: 16 at 32k, 63 at 128k; a larger vocabulary gives each program more
+_TOPK_SUB = 1024  # tokens per step of a top-k program (a bitonic top-k of that many keys)
+_TOPK_PROGRAMS = 32  # at most, per row: 32 at 32k (1024 each), 32 at 128k (4096 each)
+_ROW_BLOCK = 1024  # tokens per step of the pass over a row (ties beyond the window)
 
 
 @triton.jit
@@ -84,30 +87,11 @@ def _philox_uniform_kernel(key_ptr, seq_ptr, pos_ptr, out_ptr, n, seq_stride, po
     tl.store(out_ptr + offs, u, mask=inside)
 
 
-@triton.jit(do_not_specialize=["vocab", "row_stride", "seq_stride", "pos_stride", "blocks"])
-def _gumbel_max_kernel(scores_ptr, key_ptr, seq_ptr, pos_ptr, best_ptr, arg_ptr, vocab, row_stride,
-                       seq_stride, pos_stride, blocks, BLOCK: tl.constexpr):
-    """One block of one row: the largest ``score + Gumbel noise`` (float64) and its token, ties to the
-    lowest token (``torch.argmax``'s rule), written to ``best``/``arg`` at ``(row, block)``."""
-    row = tl.program_id(0)
-    blk = tl.program_id(1)
-    offs = blk * BLOCK + tl.arange(0, BLOCK)
-    inside = offs < vocab
-    s = tl.load(scores_ptr + row * row_stride + offs, mask=inside, other=float("-inf")).to(tl.float64)
-    seq = tl.load(seq_ptr + row * seq_stride)
-    pos = tl.load(pos_ptr + row * pos_stride)
-    k0 = tl.load(key_ptr).to(tl.uint32)
-    k1 = tl.load(key_ptr + 1).to(tl.uint32)
-    lane = (offs + 1).to(tl.uint32)  # token v's number is lane v + 1 (lane 0: the token-level stream)
-    c0 = tl.zeros_like(lane) + pos.to(tl.uint32)
-    c1 = tl.zeros_like(lane) + seq.to(tl.uint32)
-    c2 = tl.zeros_like(lane) + (pos >> 32).to(tl.uint32)
-    u = _philox_uniform(c0, c1, c2, lane, k0, k1)
-    noisy = s - tl.log(-tl.log(u))  # u = 0: -inf, never drawn (as the reference)
-    noisy = tl.where(inside, noisy, float("-inf"))
-    best, arg = tl.max(noisy, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    tl.store(best_ptr + row * blocks + blk, best)
-    tl.store(arg_ptr + row * blocks + blk, (blk * BLOCK + arg).to(tl.int64))
+@triton.jit
+def _scaled(x, t):
+    """``logits.float() / temperature`` as torch computes it: an exact cast, then float32 division rounded
+    to nearest (``tl.div_rn``; triton's ``/`` may round otherwise), so that ties and scores agree bit for bit."""
+    return tl.div_rn(x.to(tl.float32), t.to(tl.float32))
 
 
 @triton.jit
@@ -118,70 +102,160 @@ def _gumbel_keys(s, token, seq, pos, k0, k1):
     c1 = tl.zeros_like(lane) + seq.to(tl.uint32)
     c2 = tl.zeros_like(lane) + (pos >> 32).to(tl.uint32)
     u = _philox_uniform(c0, c1, c2, lane, k0, k1)
-    return s.to(tl.float64) - tl.log(-tl.log(u))
+    return s.to(tl.float64) - tl.log(-tl.log(u))  # u = 0: -inf, never drawn (as the reference)
 
 
-@triton.jit(do_not_specialize=["vocab", "row_stride", "seq_stride", "pos_stride"])
-def _window_draw_kernel(scores_ptr, window_ptr, index_ptr, ties_ptr, k_ptr, cut_ptr, key_ptr, seq_ptr, pos_ptr,
-                        out_ptr, vocab, row_stride, seq_stride, pos_stride, WINDOW: tl.constexpr,
-                        BLOCK: tl.constexpr, TOP_P: tl.constexpr):
-    """One row: top-k from ``topk``'s window, then (``TOP_P``) top-p, then the Gumbel-max draw over what
-    is left; :func:`.sampling._window_top_p` and :func:`.sampling.draw` in one program. ``ties``: how
-    many tokens of the row equal the k-th value (counted over the vocabulary beforehand)."""
+@triton.jit
+def _last_of_row(count_ptr, row, nblocks):
+    """Whether this program is the last of its row to finish: the row's other programs' stores are then
+    visible to it (a barrier, then an acquire-release count; their results are read with ``.cg`` loads,
+    from L2). The counter is a fresh zero per launch (no state between launches or streams)."""
+    tl.debug_barrier()
+    return tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu") == nblocks - 1
+
+
+@triton.jit(do_not_specialize=["vocab", "chunk", "nblocks", "row_stride", "seq_stride", "pos_stride"])
+def _gumbel_max_kernel(logits_ptr, t_ptr, key_ptr, seq_ptr, pos_ptr, best_ptr, arg_ptr, count_ptr, out_ptr, vocab,
+                       chunk, nblocks, row_stride, seq_stride, pos_stride, SUB: tl.constexpr, NB_MAX: tl.constexpr,
+                       SCALE: tl.constexpr):
+    """Program ``(row, blk)``: the largest ``score + Gumbel noise`` (float64) over tokens ``[blk * chunk,
+    (blk + 1) * chunk)`` and its token, ties to the lowest token (``torch.argmax``'s rule); the row's last
+    program to finish picks the row's token among the programs' and writes it to ``out``. ``SCALE``: the
+    score is the logit divided by the temperature at ``t_ptr`` (:func:`_scaled`), else the logit."""
     row = tl.program_id(0)
-    slot = tl.arange(0, WINDOW)
-    w = tl.load(window_ptr + row * WINDOW + slot)  # descending
-    ids = tl.load(index_ptr + row * WINDOW + slot)
-    kk = tl.minimum(tl.maximum(tl.load(k_ptr) - 1, 0), WINDOW - 1)
-    kth = tl.sum(tl.where(slot == kk, w, 0.0), axis=0)
-    above = w > kth
-    m = tl.load(ties_ptr + row)
+    blk = tl.program_id(1)
     seq = tl.load(seq_ptr + row * seq_stride)
     pos = tl.load(pos_ptr + row * pos_stride)
     k0 = tl.load(key_ptr).to(tl.uint32)
     k1 = tl.load(key_ptr + 1).to(tl.uint32)
-    gone = tl.zeros((), dtype=tl.int64)  # ties removed by top-p, the lowest ids first
-    keep = above
-    if TOP_P:
-        cut = tl.load(cut_ptr)
-        top = tl.max(w, axis=0)
-        e = tl.where(above, tl.exp(w - top), 0.0)
-        e_tie = tl.exp(kth - top)
-        z = tl.sum(e, axis=0) + m.to(tl.float32) * e_tie
-        p_tie = e_tie / z
-        running = m.to(tl.float32) * p_tie + tl.cumsum(e / z, axis=0, reverse=True)
-        keep = above & ((running > cut) | (slot == 0))
-        fit = tl.minimum(tl.maximum(tl.floor(cut / p_tie), 0.0), vocab * 1.0).to(tl.int64)
-        top_tied = tl.sum(tl.where(slot == 0, above.to(tl.int64), 0), axis=0) == 0
-        gone = tl.maximum(tl.minimum(fit, m - top_tied.to(tl.int64)), 0)
-    tied = w == kth
-    inside = tl.sum(tied.to(tl.int64), axis=0)
-    if WINDOW <= 128:  # every tie in the window (the usual case): their ranks by id, no pass over the row
-        if inside == m:
-            earlier = tl.sum((tied[None, :] & (ids[None, :] <= ids[:, None])).to(tl.int64), axis=1)
-            keep = keep | (tied & (earlier > gone))
-    noisy = tl.where(keep, _gumbel_keys(w, ids, seq, pos, k0, k1), float("-inf"))
-    best = tl.max(noisy, axis=0)
-    best_id = tl.sum(tl.where(slot == tl.argmax(noisy, axis=0, tie_break_left=True), ids, 0), axis=0)
-    # ties beyond the window: ranked and drawn over the row (ties at -inf cannot be drawn: no pass)
-    if ((WINDOW > 128) | (inside != m)) & (kth > float("-inf")):
-        base = scores_ptr + row * row_stride
-        seen = tl.zeros((), dtype=tl.int64)
-        for start in tl.range(0, vocab, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            s = tl.load(base + offs, mask=offs < vocab, other=float("-inf"))
-            tie = s == kth
-            n = tl.sum(tie.to(tl.int64), axis=0)
-            if n > 0:  # few blocks hold a tie: the others cost a load and a compare
-                rank = seen + tl.cumsum(tie.to(tl.int64), axis=0)
-                noisy_tie = tl.where(tie & (rank > gone), _gumbel_keys(s, offs, seq, pos, k0, k1), float("-inf"))
-                b = tl.max(noisy_tie, axis=0)
-                b_id = (start + tl.argmax(noisy_tie, axis=0, tie_break_left=True)).to(tl.int64)
-                better = (b > best) | ((b == best) & (b_id < best_id))
-                best_id = tl.where(better, b_id, best_id)
-                best = tl.where(better, b, best)
-            seen += n
-    tl.store(out_ptr + row, best_id)
+    start = blk * chunk
+    stop = tl.minimum(start + chunk, vocab)
+    best = tl.full((), float("-inf"), tl.float64)
+    arg = start.to(tl.int64)
+    for off in tl.range(start, stop, SUB):
+        offs = off + tl.arange(0, SUB)
+        inside = offs < stop
+        s = tl.load(logits_ptr + row * row_stride + offs, mask=inside, other=float("-inf"))
+        if SCALE:
+            s = _scaled(s, tl.load(t_ptr))
+        noisy = tl.where(inside, _gumbel_keys(s, offs, seq, pos, k0, k1), float("-inf"))
+        b, a = tl.max(noisy, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        better = b > best  # an earlier block keeps a tie
+        arg = tl.where(better, (off + a).to(tl.int64), arg)
+        best = tl.where(better, b, best)
+    tl.store(best_ptr + row * NB_MAX + blk, best)
+    tl.store(arg_ptr + row * NB_MAX + blk, arg)
+    if _last_of_row(count_ptr, row, nblocks):
+        i = tl.arange(0, NB_MAX)
+        bests = tl.load(best_ptr + row * NB_MAX + i, mask=i < nblocks, other=float("-inf"), cache_modifier=".cg")
+        args = tl.load(arg_ptr + row * NB_MAX + i, mask=i < nblocks, other=0, cache_modifier=".cg")
+        j = tl.argmax(bests, axis=0, tie_break_left=True)
+        tl.store(out_ptr + row, tl.sum(tl.where(i == j, args, 0), axis=0))
+
+
+@triton.jit
+def _pack(s, token):
+    """One int64 per token that orders as (score, then the lower id first): the float32's bits made
+    monotone (negative values' magnitude bits flipped) above, ``2**32 - 1 - token`` below."""
+    bits = s.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return (ordered.to(tl.int64) << 32) | (4294967295 - token.to(tl.int64))
+
+
+@triton.jit
+def _unpack(key):
+    """:func:`_pack`'s score (float32) and token (int64)."""
+    ordered = (key >> 32).to(tl.int32)
+    bits = tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered)
+    return bits.to(tl.float32, bitcast=True), 4294967295 - (key - ((key >> 32) << 32))
+
+
+@triton.jit(do_not_specialize=["vocab", "chunk", "nblocks", "row_stride", "seq_stride", "pos_stride"])
+def _topk_draw_kernel(logits_ptr, t_ptr, k_ptr, cut_ptr, key_ptr, seq_ptr, pos_ptr, cand_ptr, count_ptr, out_ptr,
+                      vocab, chunk, nblocks, row_stride, seq_stride, pos_stride, WINDOW: tl.constexpr,
+                      SUB: tl.constexpr, NB_MAX: tl.constexpr, ROW_BLOCK: tl.constexpr, TOP_P: tl.constexpr):
+    """Program ``(row, blk)``: the ``WINDOW`` largest scores (logits / temperature) of tokens ``[blk * chunk,
+    (blk + 1) * chunk)``, by a bitonic top-k over :func:`_pack`'s keys (ties: the lower ids). The row's
+    last program to finish takes the row's window from the programs' and applies top-k, then (``TOP_P``)
+    top-p, then the Gumbel-max draw over what is left: :func:`.sampling._window_top_p` and
+    :func:`.sampling.draw` in one program."""
+    row = tl.program_id(0)
+    blk = tl.program_id(1)
+    t = tl.load(t_ptr)
+    base = logits_ptr + row * row_stride
+    start = blk * chunk
+    stop = tl.minimum(start + chunk, vocab)
+    cur = tl.full((WINDOW,), -9223372036854775808, tl.int64)
+    for off in tl.range(start, stop, SUB):
+        offs = off + tl.arange(0, SUB)
+        inside = offs < stop
+        s = _scaled(tl.load(base + offs, mask=inside, other=float("-inf")), t)
+        new = tl.topk(tl.where(inside, _pack(s, offs), -9223372036854775808), WINDOW)
+        cur = tl.topk(tl.reshape(tl.join(cur, new), [2 * WINDOW]), WINDOW)
+    slot = tl.arange(0, WINDOW)
+    tl.store(cand_ptr + (row * NB_MAX + blk) * WINDOW + slot, cur)
+    if _last_of_row(count_ptr, row, nblocks):
+        i = tl.arange(0, NB_MAX * WINDOW)
+        cand = tl.load(cand_ptr + row * NB_MAX * WINDOW + i, mask=i < nblocks * WINDOW,
+                       other=-9223372036854775808, cache_modifier=".cg")
+        w, ids = _unpack(tl.topk(cand, WINDOW))  # descending; the vocabulary has more than WINDOW tokens
+        kk = tl.minimum(tl.maximum(tl.load(k_ptr) - 1, 0), WINDOW - 1)
+        kth = tl.sum(tl.where(slot == kk, w, 0.0), axis=0)
+        last = tl.min(w, axis=0)
+        above = w > kth
+        tied = w == kth
+        inside = tl.sum(tied.to(tl.int64), axis=0)
+        # the tokens tied at the k-th value: all in the window unless its last value is tied too; then
+        # (rarely) counted over the row (ties at -inf cannot be drawn and weigh nothing: not counted)
+        m = inside
+        if (last == kth) & (kth > float("-inf")):
+            m = tl.zeros((), dtype=tl.int64)
+            for off in tl.range(0, vocab, ROW_BLOCK):
+                offs = off + tl.arange(0, ROW_BLOCK)
+                s = _scaled(tl.load(base + offs, mask=offs < vocab, other=float("-inf")), t)
+                m += tl.sum((s == kth).to(tl.int64), axis=0)
+        seq = tl.load(seq_ptr + row * seq_stride)
+        pos = tl.load(pos_ptr + row * pos_stride)
+        k0 = tl.load(key_ptr).to(tl.uint32)
+        k1 = tl.load(key_ptr + 1).to(tl.uint32)
+        gone = tl.zeros((), dtype=tl.int64)  # ties removed by top-p, the lowest ids first
+        keep = above
+        if TOP_P:
+            cut = tl.load(cut_ptr)
+            top = tl.max(w, axis=0)
+            e = tl.where(above, tl.exp(w - top), 0.0)
+            e_tie = tl.exp(kth - top)
+            z = tl.sum(e, axis=0) + m.to(tl.float32) * e_tie
+            p_tie = e_tie / z
+            running = m.to(tl.float32) * p_tie + tl.cumsum(e / z, axis=0, reverse=True)
+            keep = above & ((running > cut) | (slot == 0))
+            fit = tl.minimum(tl.maximum(tl.floor(cut / p_tie), 0.0), vocab * 1.0).to(tl.int64)
+            top_tied = tl.sum(tl.where(slot == 0, above.to(tl.int64), 0), axis=0) == 0
+            gone = tl.maximum(tl.minimum(fit, m - top_tied.to(tl.int64)), 0)
+        if inside == m:  # every tie in the window (the usual case): the window holds them in id order
+            keep = keep | (tied & (tl.cumsum(tied.to(tl.int64), axis=0) > gone))
+        noisy = tl.where(keep, _gumbel_keys(w, ids, seq, pos, k0, k1), float("-inf"))
+        best = tl.max(noisy, axis=0)
+        best_id = tl.sum(tl.where(slot == tl.argmax(noisy, axis=0, tie_break_left=True), ids, 0), axis=0)
+        # ties beyond the window: ranked and drawn over the row (ties at -inf cannot be drawn: no pass)
+        if (inside != m) & (kth > float("-inf")):
+            seen = tl.zeros((), dtype=tl.int64)
+            for off in tl.range(0, vocab, ROW_BLOCK):
+                offs = off + tl.arange(0, ROW_BLOCK)
+                s = _scaled(tl.load(base + offs, mask=offs < vocab, other=float("-inf")), t)
+                tie = s == kth
+                n = tl.sum(tie.to(tl.int64), axis=0)
+                if n > 0:  # few blocks hold a tie: the others cost a load and a compare
+                    rank = seen + tl.cumsum(tie.to(tl.int64), axis=0)
+                    noisy_tie = tl.where(tie & (rank > gone), _gumbel_keys(s, offs, seq, pos, k0, k1),
+                                         float("-inf"))
+                    b = tl.max(noisy_tie, axis=0)
+                    b_id = (off + tl.argmax(noisy_tie, axis=0, tie_break_left=True)).to(tl.int64)
+                    better = (b > best) | ((b == best) & (b_id < best_id))
+                    best_id = tl.where(better, b_id, best_id)
+                    best = tl.where(better, b, best)
+                seen += n
+        tl.store(out_ptr + row, best_id)
 
 
 def uniform_fused(key: torch.Tensor, sequence: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -204,63 +278,88 @@ def uniform_fused(key: torch.Tensor, sequence: torch.Tensor, position: torch.Ten
     return out
 
 
-def gumbel_max_fused(scores: torch.Tensor, key: torch.Tensor, sequence: torch.Tensor,
-                     position: torch.Tensor) -> torch.Tensor:
-    """:func:`.sampling.draw` in one kernel and a two-op reduction: ``scores`` ``(batch, vocab)`` float32
-    (removed tokens ``-inf``), ``key`` a ``(2,)`` int64 tensor, ``sequence`` and ``position`` int64
-    tensors that broadcast to ``(batch,)``, all on one GPU. Long ``(batch,)``.
+def _split(vocab: int, sub: int, most: int) -> tuple[int, int]:
+    """``(programs, tokens per program)`` for a row of ``vocab`` tokens read ``sub`` at a time by at most
+    ``most`` programs, none of them empty."""
+    steps = triton.cdiv(vocab, sub)
+    per = triton.cdiv(steps, most)
+    return triton.cdiv(steps, per), per * sub
 
-    Cost: one kernel over the vocabulary (``batch * ceil(vocab / 2048)`` programs), then an argmax and
-    a gather over those blocks; allocates ``(batch, blocks)`` float64 and int64 (a capture's pool)."""
-    b, vocab = scores.shape
-    seq, pos = (t.expand(b) for t in torch.broadcast_tensors(sequence.reshape(-1), position.reshape(-1)))
-    blocks = triton.cdiv(vocab, _VOCAB_BLOCK)
-    best = torch.empty(b, blocks, dtype=torch.float64, device=scores.device)
-    arg = torch.empty(b, blocks, dtype=torch.int64, device=scores.device)
-    if scores.stride(-1) != 1:
-        scores = scores.contiguous()
+
+def _rows(b: int, sequence: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(t.expand(b) for t in torch.broadcast_tensors(sequence.reshape(-1), position.reshape(-1)))
+
+
+def gumbel_max_fused(logits: torch.Tensor, key: torch.Tensor, sequence: torch.Tensor, position: torch.Tensor, *,
+                     temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`.sampling.draw` in one kernel: ``logits`` ``(batch, vocab)`` (any float dtype; removed tokens
+    ``-inf``), ``key`` a ``(2,)`` int64 tensor, ``sequence`` and ``position`` int64 tensors that broadcast
+    to ``(batch,)``, all on one GPU. Long ``(batch,)``. With ``temperature`` (a 0-dim float32 tensor) the
+    scores are ``logits.float() / temperature``, divided in the kernel (the same float32 values); without
+    it, the logits as they are.
+
+    Cost: one launch of ``batch * min(64, ceil(vocab / 2048))`` programs, one pass over the logits (the
+    row's last program picks its token), after zeroing a ``(batch,)`` counter; allocates ``(batch, 64)``
+    float64 and int64 (a capture's pool)."""
+    b, vocab = logits.shape
+    seq, pos = _rows(b, sequence, position)
+    nblocks, chunk = _split(vocab, _VOCAB_BLOCK, _DRAW_PROGRAMS)
+    best = torch.empty(b, _DRAW_PROGRAMS, dtype=torch.float64, device=logits.device)
+    arg = torch.empty(b, _DRAW_PROGRAMS, dtype=torch.int64, device=logits.device)
+    count = torch.zeros(b, dtype=torch.int32, device=logits.device)
+    out = torch.empty(b, dtype=torch.int64, device=logits.device)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    t = key if temperature is None else temperature  # unread without SCALE
     with torch.cuda.device(key.device) if key.device.type == "cuda" else contextlib.nullcontext():
-        _gumbel_max_kernel[(b, blocks)](scores, key, seq, pos, best, arg, vocab, scores.stride(0),
-                                        seq.stride(0), pos.stride(0), blocks, BLOCK=_VOCAB_BLOCK)
-    return arg.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1)
-
-
-def window_draw_fused(scores: torch.Tensor, window: torch.Tensor, index: torch.Tensor, top_k: torch.Tensor,
-                      top_p_cut: torch.Tensor, key: torch.Tensor, sequence: torch.Tensor, position: torch.Tensor,
-                      *, top_p: bool) -> torch.Tensor:
-    """Top-k (and, with ``top_p``, top-p) and the draw in one kernel: ``scores`` ``(batch, vocab)`` float32,
-    ``window``/``index`` ``topk``'s descending values and tokens (``(batch, W)``, W a power of two), the
-    settings as :func:`.sampling.filter_tensors` makes them. Long ``(batch,)``.
-
-    The same tokens as :func:`.sampling.filter_scores` then :func:`.sampling.draw`, but where top-p's
-    float32 running sums (added here in another order) lie within rounding of the cut. Cost: a
-    count of the tokens tied at the k-th value (a compare and a sum over the logits), then one
-    program per row over the window; only where a tie lies beyond the window (or the window is
-    above 128) does that program read its row, computing random numbers for the blocks holding a tie."""
-    b, vocab = scores.shape
-    seq, pos = (t.expand(b) for t in torch.broadcast_tensors(sequence.reshape(-1), position.reshape(-1)))
-    if scores.stride(-1) != 1:
-        scores = scores.contiguous()
-    window, index = window.contiguous(), index.contiguous()
-    kth = window.gather(1, (top_k - 1).clamp(min=0, max=window.shape[1] - 1).view(1, 1).expand(b, 1))
-    ties = (scores == kth).sum(dim=1)  # a parallel count: the kernel's one program per row reads no row
-    out = torch.empty(b, dtype=torch.int64, device=scores.device)
-    with torch.cuda.device(key.device) if key.device.type == "cuda" else contextlib.nullcontext():
-        _window_draw_kernel[(b,)](scores, window, index, ties, top_k, top_p_cut, key, seq, pos, out, vocab,
-                                  scores.stride(0), seq.stride(0), pos.stride(0), WINDOW=window.shape[1],
-                                  BLOCK=_ROW_BLOCK, TOP_P=top_p)
+        _gumbel_max_kernel[(b, nblocks)](logits, t, key, seq, pos, best, arg, count, out, vocab, chunk, nblocks,
+                                         logits.stride(0), seq.stride(0), pos.stride(0), SUB=_VOCAB_BLOCK,
+                                         NB_MAX=_DRAW_PROGRAMS, SCALE=temperature is not None)
     return out
 
 
-def prepare(device: torch.device, *, k_window: int | None = None, top_p: bool = False) -> None:
+def topk_draw_fused(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p_cut: torch.Tensor,
+                    key: torch.Tensor, sequence: torch.Tensor, position: torch.Tensor, *, window: int,
+                    top_p: bool) -> torch.Tensor:
+    """Temperature, top-k (and, with ``top_p``, top-p) and the draw in one kernel: ``logits`` ``(batch,
+    vocab)`` (any float dtype, vocab > ``window``), ``window`` a power of two >= k (:func:`.sampling.
+    top_k_window`), the settings as :func:`.sampling.filter_tensors` makes them. Long ``(batch,)``.
+
+    The same tokens as :func:`.sampling.filter_scores` then :func:`.sampling.draw`, but where top-p's
+    float32 running sums (added here in another order) lie within rounding of the cut. Cost: one
+    launch of ``batch * min(32, ceil(vocab / 1024))`` programs, each a bitonic top-``window`` of its
+    share of the row; the row's last program merges them and filters and draws on the window. Only
+    where the window's last score is tied with the k-th (ties may lie beyond it) does that program
+    read its row: once to count the ties, once to draw among them."""
+    b, vocab = logits.shape
+    seq, pos = _rows(b, sequence, position)
+    nblocks, chunk = _split(vocab, _TOPK_SUB, _TOPK_PROGRAMS)
+    cand = torch.empty(b, _TOPK_PROGRAMS * window, dtype=torch.int64, device=logits.device)
+    count = torch.zeros(b, dtype=torch.int32, device=logits.device)
+    out = torch.empty(b, dtype=torch.int64, device=logits.device)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    with torch.cuda.device(key.device) if key.device.type == "cuda" else contextlib.nullcontext():
+        _topk_draw_kernel[(b, nblocks)](logits, temperature, top_k, top_p_cut, key, seq, pos, cand, count, out,
+                                        vocab, chunk, nblocks, logits.stride(0), seq.stride(0), pos.stride(0),
+                                        WINDOW=window, SUB=_TOPK_SUB, NB_MAX=_TOPK_PROGRAMS, ROW_BLOCK=_ROW_BLOCK,
+                                        TOP_P=top_p)
+    return out
+
+
+def prepare(device: torch.device, *, k_window: int | None = None, top_p: bool = False,
+            dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)) -> None:
     """Compile and load the kernels for ``device`` now (a first call does it; a capture must not): the
-    uniform and Gumbel-max kernels, and with ``k_window`` the window kernel of that window and top-p
-    setting."""
+    uniform and Gumbel-max kernels, the latter for logits of each of ``dtypes`` (a kernel is compiled per
+    dtype of its inputs), and with ``k_window`` the window kernel of that window and top-p setting."""
     one = torch.zeros(1, dtype=torch.int64, device=device)
     key = torch.zeros(2, dtype=torch.int64, device=device)
+    t = torch.ones((), dtype=torch.float32, device=device)
     uniform_fused(key, one, one)
-    gumbel_max_fused(torch.zeros(1, 4, dtype=torch.float32, device=device), key, one, one)
-    if k_window is not None:
-        scores = torch.zeros(1, k_window + 1, dtype=torch.float32, device=device)
-        window, index = scores.topk(k_window, dim=-1)
-        window_draw_fused(scores, window, index, one, torch.zeros((), device=device), key, one, one, top_p=top_p)
+    gumbel_max_fused(torch.zeros(1, 4, dtype=torch.float32, device=device), key, one, one)  # draw()'s scores
+    for dtype in dtypes:
+        logits = torch.zeros(1, (k_window or 3) + 1, dtype=dtype, device=device)  # sizes are not specialised
+        gumbel_max_fused(logits, key, one, one, temperature=t)
+        if k_window is not None:
+            topk_draw_fused(logits, t, one, torch.zeros((), device=device), key, one, one, window=k_window,
+                            top_p=top_p)

@@ -33,7 +33,7 @@ Top-k with a small k reads the k-th largest logit from ``topk`` over a window
 of at least k (a power of two, :func:`top_k_window`) instead of a sort of the
 vocabulary, and top-p then works on that window: every survivor above the
 k-th value is in it, and the tokens tied at the k-th value are counted over
-the vocabulary. transformers orders tied tokens by an unstable sort, so which
+the vocabulary where the window's last value is tied too. transformers orders tied tokens by an unstable sort, so which
 of several tied tokens top-p removes is not defined there; here the tokens
 tied at the k-th value go in vocabulary order (lowest id removed first), and
 tokens tied above it in ``topk``'s order.
@@ -211,15 +211,17 @@ def fused_unavailable_reason() -> str | None:
     return _load_fused()[1]
 
 
-def prepare_fused(device: torch.device | str, *, k_window: int | None = None, top_p: bool = False) -> bool:
+def prepare_fused(device: torch.device | str, *, k_window: int | None = None, top_p: bool = False,
+                  dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)) -> bool:
     """Compile and load the Triton kernels for ``device`` now, so that no capture pays (or fails on) them:
-    the random numbers' and the draw's, and with ``k_window`` (:func:`top_k_window`) the fused top-k
-    kernel of that window, top-p on or off (each is its own compile). Returns whether the kernels will
-    run there."""
+    the random numbers' and the draw's for logits of each of ``dtypes``, and with ``k_window``
+    (:func:`top_k_window`) the fused top-k kernel of that window, top-p on or off (each is its own
+    compile; triton keeps them in its cache folder, so a later process loads them). Returns whether the
+    kernels will run there."""
     dev = torch.device(device)
     if not FUSED_BY_DEFAULT or dev.type != "cuda" or fused_unavailable_reason() is not None:
         return False
-    _fused_module().prepare(dev, k_window=k_window, top_p=top_p)
+    _fused_module().prepare(dev, k_window=k_window, top_p=top_p, dtypes=dtypes)
     return True
 
 
@@ -345,20 +347,23 @@ def draw_filtered(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     the settings as :func:`filter_tensors` makes them. Long, ``(batch,)``. Every strategy chooses
     through it.
 
-    On a GPU (``fused`` as :func:`draw` takes it) with top-k in a window, the filters and the draw
-    are one Triton kernel after ``topk`` (:func:`._philox_triton.window_draw_fused`): the same tokens
-    but where a top-p running sum lies within float32 rounding of the cut (the sums are added in
-    another order). Otherwise :func:`filter_scores`' torch ops and :func:`draw`."""
+    On a GPU (``fused`` as :func:`draw` takes it) with top-k in a window, the temperature, the window's
+    top-k, the filters and the draw are one Triton kernel (:func:`._philox_triton.topk_draw_fused`): the
+    same tokens but where a top-p running sum lies
+    within float32 rounding of the cut (the sums are added in another order). With the temperature
+    alone, the draw's kernel divides the logits as it reads them: the same tokens. Otherwise
+    :func:`filter_scores`' torch ops and :func:`draw`."""
     key = seed_key(seed, logits.device) if isinstance(seed, int) else seed
     _same_device("draw_filtered", logits, key, sequence, position)
     vocab = logits.shape[-1]
-    if use_top_k and k_window is not None and k_window < vocab and _fused_wanted(key, fused, "draw_filtered"):
-        scores = logits.float() / temperature
-        window, index = scores.topk(k_window, dim=-1)
-        seq = sequence.to(torch.int64)
-        pos = position.to(torch.int64)
-        return _fused_module().window_draw_fused(scores, window, index, top_k, top_p_cut, key.to(torch.int64),
-                                                 seq, pos, top_p=use_top_p)
+    if (use_top_k and k_window is not None and k_window < vocab) or not (use_top_k or use_top_p):
+        if _fused_wanted(key, fused, "draw_filtered"):
+            seq, pos = sequence.to(torch.int64), position.to(torch.int64)
+            if not use_top_k:  # the temperature alone: divided inside the draw's kernel
+                return _fused_module().gumbel_max_fused(logits, key.to(torch.int64), seq, pos,
+                                                        temperature=temperature)
+            return _fused_module().topk_draw_fused(logits, temperature, top_k, top_p_cut, key.to(torch.int64), seq,
+                                                   pos, window=k_window, top_p=use_top_p)
     scores = filter_scores(logits, temperature, top_k, top_p_cut, use_top_k=use_top_k, use_top_p=use_top_p,
                            k_window=k_window)
     return draw(scores, key, sequence, position, fused=fused)
