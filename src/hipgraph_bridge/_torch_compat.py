@@ -599,6 +599,21 @@ def compile_time_seconds() -> dict[str, float]:
     return {"dynamo": max(total - backend, 0.0), "backend": backend}
 
 
+def compile_profile(top: int = 12) -> dict[str, Any]:
+    """Where this process's compile time went, for a start-up report: the ``top`` timers of dynamo's
+    ``compilation_time_metrics`` (seconds and calls each) and its frame and graph counters (frames
+    traced, unique graphs, graph breaks, recompiles). Empty where a torch version lacks them."""
+    from torch._dynamo import utils  # heavy (imports dynamo): only start-up tools ask
+
+    metrics = getattr(utils, "compilation_time_metrics", {})
+    timers = sorted(((name, float(sum(v)), len(v)) for name, v in metrics.items()), key=lambda x: -x[1])[:top]
+    counters = getattr(utils, "counters", {})
+    return {"timers_s": {name: {"s": round(sec, 3), "calls": n} for name, sec, n in timers},
+            "frames": dict(counters.get("frames", {})), "stats": dict(counters.get("stats", {})),
+            "graph_breaks": sum(counters.get("graph_break", {}).values()),
+            "recompiles": sum(counters.get("recompiles", {}).values())}
+
+
 _INVOKE_SUBGRAPH = getattr(getattr(torch.ops, "higher_order", None), "invoke_subgraph", None)
 """The region call (``torch.compiler.nested_compile_region``), looked up once: code that dynamo may trace
 (a dispatch mode under ``torch.cond``) must not touch ``torch.ops``."""

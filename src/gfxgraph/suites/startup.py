@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from gfxgraph.suites._common import child_env, figure, parser, write
-from hipgraph_bridge._torch_compat import compile_time_seconds, maybe_mark_dynamic
+from hipgraph_bridge._torch_compat import compile_profile, compile_time_seconds, maybe_mark_dynamic
 
 BUCKETS_36 = sorted([1, 2, 4, 8, 12, *range(16, 257, 8)])
 CONTENDERS = ("pool", "backend", "reduce-overhead", "backend-regions")
@@ -106,6 +106,7 @@ def child(contender: str, phase: str, blob: str, spawned: float) -> dict[str, An
     # (reduce-overhead's recordings are cudagraph trees', which gfxgraph does not time)
     out["breakdown_s"] = {"dynamo": times["dynamo"], "backend compile": times["backend"],
                           "capture": gfxgraph.stats()["capture_seconds"] if contender != "reduce-overhead" else None}
+    out["compile_profile"] = compile_profile()  # which of dynamo's steps the seconds went to
     out["cache_bypass_reasons"] = sorted(set(bypassed.reasons))
     out.update(tokens=tokens, served_s=served - spawned, to_first_call_s=served - spawned - out["model_s"],
                graph_bytes=gfxgraph.graph_pool_bytes(), cache=gfxgraph.cache.hits())
