@@ -170,10 +170,26 @@ def _unpack(key):
     return bits.to(tl.float32, bitcast=True), 4294967295 - (key - ((key >> 32) << 32))
 
 
+@triton.jit
+def _merge_pairs(lists, LOG_ROWS: tl.constexpr):
+    """The top ``W`` of ``2**LOG_ROWS`` sorted lists (``(rows, W)``, even rows descending, odd rows
+    ascending), as a ``(1, W)`` descending list: ``LOG_ROWS`` rounds of pairing each even row with the next
+    (their elementwise max is the pair's top ``W`` in bitonic order) and a bitonic merge; no full sort."""
+    for level in tl.static_range(LOG_ROWS):
+        rows: tl.constexpr = 1 << (LOG_ROWS - level - 1)
+        w: tl.constexpr = lists.shape[1]
+        lists = tl.bitonic_merge(tl.max(tl.reshape(lists, [rows, 2, w]), axis=1), descending=True)
+        if rows > 1:
+            odd = (tl.arange(0, rows) % 2 == 1)[:, None]
+            lists = tl.where(odd, tl.flip(lists, 1), lists)
+    return lists
+
+
 @triton.jit(do_not_specialize=["vocab", "chunk", "nblocks", "row_stride", "seq_stride", "pos_stride"])
 def _topk_draw_kernel(logits_ptr, t_ptr, k_ptr, cut_ptr, key_ptr, seq_ptr, pos_ptr, cand_ptr, count_ptr, out_ptr,
                       vocab, chunk, nblocks, row_stride, seq_stride, pos_stride, WINDOW: tl.constexpr,
-                      SUB: tl.constexpr, NB_MAX: tl.constexpr, ROW_BLOCK: tl.constexpr, TOP_P: tl.constexpr):
+                      SUB: tl.constexpr, NB_MAX: tl.constexpr, LOG_NB: tl.constexpr, ROW_BLOCK: tl.constexpr,
+                      TOP_P: tl.constexpr):
     """Program ``(row, blk)``: the ``WINDOW`` largest scores (logits / temperature) of tokens ``[blk * chunk,
     (blk + 1) * chunk)``, by a bitonic top-k over :func:`_pack`'s keys (ties: the lower ids). The row's
     last program to finish takes the row's window from the programs' and applies top-k, then (``TOP_P``)
@@ -191,29 +207,44 @@ def _topk_draw_kernel(logits_ptr, t_ptr, k_ptr, cut_ptr, key_ptr, seq_ptr, pos_p
         inside = offs < stop
         s = _scaled(tl.load(base + offs, mask=inside, other=float("-inf")), t)
         new = tl.topk(tl.where(inside, _pack(s, offs), -9223372036854775808), WINDOW)
-        cur = tl.topk(tl.reshape(tl.join(cur, new), [2 * WINDOW]), WINDOW)
+        # two sorted lists, one reversed: their elementwise max is the top of both, in bitonic order
+        cur = tl.bitonic_merge(tl.maximum(cur, tl.flip(new, 0)), descending=True)
     slot = tl.arange(0, WINDOW)
+    if blk % 2 == 1:  # odd programs store ascending: the merge below pairs each with its even neighbour
+        cur = tl.flip(cur, 0)
     tl.store(cand_ptr + (row * NB_MAX + blk) * WINDOW + slot, cur)
     if _last_of_row(count_ptr, row, nblocks):
-        i = tl.arange(0, NB_MAX * WINDOW)
-        cand = tl.load(cand_ptr + row * NB_MAX * WINDOW + i, mask=i < nblocks * WINDOW,
-                       other=-9223372036854775808, cache_modifier=".cg")
-        w, ids = _unpack(tl.topk(cand, WINDOW))  # descending; the vocabulary has more than WINDOW tokens
+        r = tl.arange(0, NB_MAX)
+        cand = tl.load(cand_ptr + (row * NB_MAX + r[:, None]) * WINDOW + slot[None, :],
+                       mask=(r < nblocks)[:, None], other=-9223372036854775808, cache_modifier=".cg")
+        w, ids = _unpack(tl.reshape(_merge_pairs(cand, LOG_NB), [WINDOW]))  # descending (vocab > WINDOW)
         kk = tl.minimum(tl.maximum(tl.load(k_ptr) - 1, 0), WINDOW - 1)
         kth = tl.sum(tl.where(slot == kk, w, 0.0), axis=0)
-        last = tl.min(w, axis=0)
         above = w > kth
         tied = w == kth
         inside = tl.sum(tied.to(tl.int64), axis=0)
-        # the tokens tied at the k-th value: all in the window unless its last value is tied too; then
-        # (rarely) counted over the row (ties at -inf cannot be drawn and weigh nothing: not counted)
-        m = inside
-        if (last == kth) & (kth > float("-inf")):
-            m = tl.zeros((), dtype=tl.int64)
-            for off in tl.range(0, vocab, ROW_BLOCK):
-                offs = off + tl.arange(0, ROW_BLOCK)
-                s = _scaled(tl.load(base + offs, mask=offs < vocab, other=float("-inf")), t)
-                m += tl.sum((s == kth).to(tl.int64), axis=0)
+        # the tokens tied at the k-th value, counted per program's list (programs hold ids in order): a list
+        # whose smallest is the k-th value may not hold all of its share's ties; only that share is read
+        real = cand != -9223372036854775808
+        cw, cids = _unpack(cand)
+        tie_c = real & (cw == kth)
+        counts = tl.sum(tie_c.to(tl.int64), axis=1)
+        low = tl.min(cand, axis=1)
+        low_w, low_id = _unpack(low)
+        hidden = (r < nblocks) & (low != -9223372036854775808) & (low_w == kth) & (low_w > float("-inf"))
+        any_hidden = tl.sum(hidden.to(tl.int32), axis=0) > 0
+        if any_hidden:
+            for b in tl.range(0, nblocks):
+                if tl.sum(tl.where(r == b, hidden.to(tl.int32), 0), axis=0) > 0:
+                    n = tl.zeros((), dtype=tl.int64)
+                    for off in tl.range(b * chunk, tl.minimum(b * chunk + chunk, vocab), ROW_BLOCK):
+                        offs = off + tl.arange(0, ROW_BLOCK)
+                        s = _scaled(tl.load(base + offs, mask=offs < vocab, other=float("-inf")), t)
+                        n += tl.sum(((s == kth) & (offs < b * chunk + chunk)).to(tl.int64), axis=0)
+                    counts = tl.where(r == b, n, counts)
+        m = tl.sum(counts, axis=0)
+        if kth == float("-inf"):  # ties at -inf cannot be drawn and weigh nothing
+            m = inside
         seq = tl.load(seq_ptr + row * seq_stride)
         pos = tl.load(pos_ptr + row * pos_stride)
         k0 = tl.load(key_ptr).to(tl.uint32)
@@ -237,24 +268,35 @@ def _topk_draw_kernel(logits_ptr, t_ptr, k_ptr, cut_ptr, key_ptr, seq_ptr, pos_p
         noisy = tl.where(keep, _gumbel_keys(w, ids, seq, pos, k0, k1), float("-inf"))
         best = tl.max(noisy, axis=0)
         best_id = tl.sum(tl.where(slot == tl.argmax(noisy, axis=0, tie_break_left=True), ids, 0), axis=0)
-        # ties beyond the window: ranked and drawn over the row (ties at -inf cannot be drawn: no pass)
-        if (inside != m) & (kth > float("-inf")):
-            seen = tl.zeros((), dtype=tl.int64)
-            for off in tl.range(0, vocab, ROW_BLOCK):
-                offs = off + tl.arange(0, ROW_BLOCK)
-                s = _scaled(tl.load(base + offs, mask=offs < vocab, other=float("-inf")), t)
-                tie = s == kth
-                n = tl.sum(tie.to(tl.int64), axis=0)
-                if n > 0:  # few blocks hold a tie: the others cost a load and a compare
-                    rank = seen + tl.cumsum(tie.to(tl.int64), axis=0)
-                    noisy_tie = tl.where(tie & (rank > gone), _gumbel_keys(s, offs, seq, pos, k0, k1),
-                                         float("-inf"))
-                    b = tl.max(noisy_tie, axis=0)
-                    b_id = (off + tl.argmax(noisy_tie, axis=0, tie_break_left=True)).to(tl.int64)
-                    better = (b > best) | ((b == best) & (b_id < best_id))
-                    best_id = tl.where(better, b_id, best_id)
-                    best = tl.where(better, b, best)
-                seen += n
+        if inside != m:  # ties beyond the window: ranked by id over the row, drawn from the lists
+            offset = tl.cumsum(counts, axis=0) - counts  # ties in the shares before each
+            odd = (r % 2 == 1)[:, None]  # ascending lists: their ties in descending id order
+            ties = tie_c.to(tl.int64)
+            rank = offset[:, None] + tl.where(odd, tl.cumsum(ties, axis=1, reverse=True), tl.cumsum(ties, axis=1))
+            ok = tie_c & (rank > gone) & ~hidden[:, None]
+            keys = tl.where(ok, _gumbel_keys(cw, cids, seq, pos, k0, k1), float("-inf"))
+            b_best = tl.max(tl.max(keys, axis=1), axis=0)
+            b_id = tl.min(tl.min(tl.where(ok & (keys == b_best), cids, 9223372036854775807), axis=1), axis=0)
+            better = (b_best > best) | ((b_best == best) & (b_id < best_id))
+            best_id = tl.where(better, b_id, best_id)
+            best = tl.where(better, b_best, best)
+            if any_hidden:  # (rare) the shares whose lists may miss ties: read again, drawn in id order
+                for b in tl.range(0, nblocks):
+                    if tl.sum(tl.where(r == b, hidden.to(tl.int32), 0), axis=0) > 0:
+                        seen = tl.sum(tl.where(r == b, offset, 0), axis=0)
+                        for off in tl.range(b * chunk, tl.minimum(b * chunk + chunk, vocab), ROW_BLOCK):
+                            offs = off + tl.arange(0, ROW_BLOCK)
+                            s = _scaled(tl.load(base + offs, mask=offs < vocab, other=float("-inf")), t)
+                            tie = (s == kth) & (offs < b * chunk + chunk)
+                            rank_s = seen + tl.cumsum(tie.to(tl.int64), axis=0)
+                            noisy_tie = tl.where(tie & (rank_s > gone), _gumbel_keys(s, offs, seq, pos, k0, k1),
+                                                 float("-inf"))
+                            nb = tl.max(noisy_tie, axis=0)
+                            nb_id = (off + tl.argmax(noisy_tie, axis=0, tie_break_left=True)).to(tl.int64)
+                            better = (nb > best) | ((nb == best) & (nb_id < best_id))
+                            best_id = tl.where(better, nb_id, best_id)
+                            best = tl.where(better, nb, best)
+                            seen += tl.sum(tie.to(tl.int64), axis=0)
         tl.store(out_ptr + row, best_id)
 
 
@@ -328,7 +370,8 @@ def topk_draw_fused(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     The same tokens as :func:`.sampling.filter_scores` then :func:`.sampling.draw`, but where top-p's
     float32 running sums (added here in another order) lie within rounding of the cut. Cost: one
     launch of ``batch * min(32, ceil(vocab / 1024))`` programs, each a bitonic top-``window`` of its
-    share of the row; the row's last program merges them and filters and draws on the window. Only
+    share of the row; the row's last program merges their lists (five pairwise bitonic merges, no
+    sort) and filters and draws on the window. Only
     where the window's last score is tied with the k-th (ties may lie beyond it) does that program
     read its row: once to count the ties, once to draw among them."""
     b, vocab = logits.shape
@@ -342,8 +385,8 @@ def topk_draw_fused(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     with torch.cuda.device(key.device) if key.device.type == "cuda" else contextlib.nullcontext():
         _topk_draw_kernel[(b, nblocks)](logits, temperature, top_k, top_p_cut, key, seq, pos, cand, count, out,
                                         vocab, chunk, nblocks, logits.stride(0), seq.stride(0), pos.stride(0),
-                                        WINDOW=window, SUB=_TOPK_SUB, NB_MAX=_TOPK_PROGRAMS, ROW_BLOCK=_ROW_BLOCK,
-                                        TOP_P=top_p)
+                                        WINDOW=window, SUB=_TOPK_SUB, NB_MAX=_TOPK_PROGRAMS,
+                                        LOG_NB=_TOPK_PROGRAMS.bit_length() - 1, ROW_BLOCK=_ROW_BLOCK, TOP_P=top_p)
     return out
 
 
