@@ -175,12 +175,11 @@ def _merge_pairs(lists, LOG_ROWS: tl.constexpr):
     """The top ``W`` of ``2**LOG_ROWS`` sorted lists (``(rows, W)``, even rows descending, odd rows
     ascending), as a ``(1, W)`` descending list: ``LOG_ROWS`` rounds of pairing each even row with the next
     (their elementwise max is the pair's top ``W`` in bitonic order) and a bitonic merge; no full sort."""
-    for level in tl.static_range(LOG_ROWS):
-        rows: tl.constexpr = 1 << (LOG_ROWS - level - 1)
-        w: tl.constexpr = lists.shape[1]
-        lists = tl.bitonic_merge(tl.max(tl.reshape(lists, [rows, 2, w]), axis=1), descending=True)
-        if rows > 1:
-            odd = (tl.arange(0, rows) % 2 == 1)[:, None]
+    for _ in tl.static_range(LOG_ROWS):
+        pairs = tl.reshape(lists, [lists.shape[0] // 2, 2, lists.shape[1]])
+        lists = tl.bitonic_merge(tl.max(pairs, axis=1), descending=True)
+        if lists.shape[0] > 1:
+            odd = (tl.arange(0, lists.shape[0]) % 2 == 1)[:, None]
             lists = tl.where(odd, tl.flip(lists, 1), lists)
     return lists
 
