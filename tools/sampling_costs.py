@@ -7,6 +7,7 @@ whole ``draw_filtered``, and top-p's one sort. Each piece is captured once into 
 replayed ``--replays`` times between two CUDA events (the median of 5 such runs).
 
     python tools/sampling_costs.py --out bench-out          # a GPU: JSON and a table
+    python tools/sampling_costs.py --model llama-small      # also on that model's own decode logits
     python tools/sampling_costs.py --cpu-smoke              # no GPU: runs every piece once, times nothing
 """
 
@@ -54,6 +55,47 @@ def pieces(logits: torch.Tensor) -> dict[str, Callable[[], Any]]:
     return out
 
 
+def model_logits(name: str, steps: int = 64) -> torch.Tensor:
+    """``(steps, vocab)`` logits of the device_generate suite's model ``name`` (random bf16 weights), one
+    row per greedy decode step after a 16-token prompt: the data the loop's kernel meets there."""
+    from gfxgraph.suites.llm_decode import build_model, make_step, new_cache, prefill
+
+    model = build_model(name)
+    cache = new_cache(model, 1, 16 + steps + 8)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 16), device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(1))
+    rows = []
+    with torch.no_grad():
+        tok = prefill(model, cache, prompt)
+        step = make_step(model, cache)
+        for i in range(steps):
+            pos = torch.full((1, 1), 16 + i, dtype=torch.long, device="cuda")
+            logits, tok = step(tok.view(1, 1), pos, pos.view(1))
+            rows.append(logits.clone())
+    return torch.cat(rows)
+
+
+def tie_stats(logits: torch.Tensor, k: int = 50, window: int = 64, temperature: float = 0.8) -> dict[str, int]:
+    """How many rows take the kernel's slower branches: ties at the k-th score beyond the window (a draw
+    over the programs' lists) and a program's share whose own top-window ends at the k-th score (read
+    again). The shares as the kernel splits the row."""
+    module = sampling._fused_module()  # noqa: SLF001 - the diagnostic mirrors the kernel's split
+    scores = logits.float() / temperature
+    rows, vocab = scores.shape
+    nblocks, chunk = module._split(vocab, module._TOPK_SUB, module._TOPK_PROGRAMS)  # noqa: SLF001
+    top = scores.topk(window, dim=-1).values
+    kth = top[:, k - 1:k]
+    beyond = int(((scores == kth).sum(1) != (top == kth).sum(1)).sum())
+    reread = 0
+    for r in range(rows):
+        for b in range(nblocks):
+            part = scores[r, b * chunk:(b + 1) * chunk]
+            if part.numel() >= window and bool(part.topk(window).values[-1] == kth[r, 0]):
+                reread += 1
+                break
+    return {"rows": rows, "rows with ties beyond the window": beyond, "rows with a share read again": reread}
+
+
 def time_graph(fn: Callable[[], Any], replays: int) -> float:
     """Microseconds per replay of ``fn`` captured alone (median of 5 runs of ``replays`` replays)."""
     s = torch.cuda.Stream()
@@ -83,6 +125,8 @@ def main() -> None:
     p.add_argument("--out", default="bench-out")
     p.add_argument("--replays", type=int, default=50)
     p.add_argument("--cpu-smoke", action="store_true", help="run every piece once on the CPU, time nothing")
+    p.add_argument("--model", action="append", default=[], help="also time the draws on this device_generate "
+                   "model's own decode logits (repeatable: llama-small, llama-1.2b)")
     args = p.parse_args()
     if args.cpu_smoke:
         for vocab in (300,):
@@ -102,6 +146,27 @@ def main() -> None:
             for name, fn in pieces(logits).items():
                 case[name] = time_graph(fn, args.replays)
                 print(f"vocab {vocab} bs {b}: {name}: {case[name]:.1f} us", flush=True)
+    for name in args.model:
+        rows = model_logits(name)
+        vocab = rows.shape[1]
+        t, k, cut = filter_tensors(0.8, 50, 0.9, vocab, "cuda")
+        key, seq, pos = seed_key(1, "cuda"), torch.zeros(1, dtype=torch.long, device="cuda"), torch.zeros(
+            (), dtype=torch.long, device="cuda")
+        case = results[f"{name} decode logits bs 1"] = {}
+        turn = iter(range(10**9))
+        draws: dict[str, Callable[[], Any]] = {  # each call draws from the next step's logits
+            "argmax (greedy)": lambda: rows[next(turn) % len(rows)].view(1, -1).argmax(dim=-1),
+            "temperature draw": lambda: draw_filtered(rows[next(turn) % len(rows)].view(1, -1), t, k, cut, key, seq,
+                                                      pos, use_top_k=False, use_top_p=False, k_window=None),
+            "top-k 50 + top-p 0.9": lambda: draw_filtered(rows[next(turn) % len(rows)].view(1, -1), t, k, cut, key,
+                                                          seq, pos, use_top_k=True, use_top_p=True, k_window=64),
+        }
+        for label, fn in draws.items():
+            case[label] = time_graph(fn, args.replays)
+            print(f"{name} decode logits bs 1: {label}: {case[label]:.1f} us", flush=True)
+        stats = tie_stats(rows)
+        case.update({k_: float(v) for k_, v in stats.items()})
+        print(f"{name} decode logits: {stats}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "sampling_costs.json")
     with open(path, "w") as f:
