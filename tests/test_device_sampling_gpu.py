@@ -356,3 +356,18 @@ def test_the_loop_draws_the_same_tokens_with_the_kernel_and_with_the_reference(s
     loop = DeviceDecodeLoop(step, batch_size=BATCH, chunk=16, strategy=strategy)
     assert torch.equal(loop.generate(first, start, **kw), fused)
     assert loop.strategy == strategy, loop.strategy_reason
+
+
+@pytest.mark.parametrize("strategy", ["native", "host"])
+def test_a_loop_without_warm_ups_prepares_its_kernels_and_draws_the_reference_tokens(strategy):
+    """With warm-ups the body's eager runs compile the Triton variant it uses; with warmup_iters=0 nothing runs
+    the body before the capture, so the loop compiles every dtype's variant first: the capture then records the
+    launches and the tokens are those of a loop with warm-ups."""
+    _triton_or_skip()
+    step = _step(_table())
+    first = torch.tensor([1, 5, 9, 13], device="cuda")
+    kw = dict(max_new_tokens=24, do_sample=True, seed=3, temperature=0.9, top_k=20, top_p=0.8)
+    want = DeviceDecodeLoop(step, batch_size=BATCH, chunk=8, strategy=strategy).generate(first, 4, **kw)
+    loop = DeviceDecodeLoop(step, batch_size=BATCH, chunk=8, strategy=strategy, warmup_iters=0)
+    assert torch.equal(loop.generate(first, 4, **kw), want)
+    assert loop.strategy == strategy, loop.strategy_reason

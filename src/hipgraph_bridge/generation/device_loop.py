@@ -294,10 +294,12 @@ class DeviceDecodeLoop:
 
     def _prepare_kernels(self) -> None:
         """Compile and load, before a capture, what the body launches that a capture could not load: the
-        sampling body's Triton kernels, the fused top-k kernel of its window included (the warm-ups would
-        too; this does not depend on their number: ``warmup_iters=0`` is safe)."""
+        sampling body's Triton kernels, the fused top-k kernel of its window included. A warm-up runs the
+        body eagerly before the capture, which compiles exactly the variant it uses (the logits' dtype);
+        with ``warmup_iters=0`` nothing does, so every floating dtype's variant is compiled here (one
+        compile each, some seconds the first time on a machine, then from triton's cache)."""
         kind = self._kind
-        if kind.sampling and self._loop.strategy == "pending":
+        if kind.sampling and self._loop.strategy == "pending" and self._loop.warmup_iters == 0:
             prepare_fused(self._eos_pad.device, k_window=kind.k_window, top_p=kind.top_p)
 
     def chunks(self, tokens: torch.Tensor, position: Position, *, max_new_tokens: int, eos_token_id: EosIds = None,
