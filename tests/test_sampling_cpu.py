@@ -62,7 +62,11 @@ def test_filters_follow_transformers():
             want = transformers.TopKLogitsWarper(k)(None, want)
         if p is not None:
             want = transformers.TopPLogitsWarper(p)(None, want)
-        assert torch.equal(filter_logits(logits, t, k, p), want), (t, k, p)
+        got = filter_logits(logits, t, k, p)
+        # transformers' top-p sorts with an unstable sort: which of the tied tokens in row 0 it keeps is
+        # not defined (here the lowest ids go first); the values kept are the same
+        assert torch.equal(got[1:], want[1:]), (t, k, p)
+        assert torch.equal(got[0].sort().values, want[0].sort().values), (t, k, p)
 
 
 # chi-square critical values at p = 0.001 by degrees of freedom
@@ -162,6 +166,10 @@ def test_fused_kernel_matches_the_reference_in_tritons_interpreter(py):
         cases.append((cases[1][0].to(torch.bfloat16), 0.7))  # the logits' dtype: the kernels read it
         # a temperature that merges distinct logits into ties (subnormal scores): ties beyond the window
         cases.append((tiny, 1e37))
+        signed = torch.full((4, 300), -5.0)  # -0.0 and 0.0 tied at the k-th value; ties above it cut by top-p
+        signed[:, 100], signed[:, 10:15], signed[:, 15:25] = 3.0, -0.0, 0.0
+        signed[1:, [5, 140, 290]], signed[1:, [3, 50, 100, 127, 128, 130, 170, 200, 255, 256, 260, 299]] = 2.0, 1.0
+        cases.append((signed, 1.0))
         cases.append((cases[1][0], 0.7))  # again with at most 2 programs a row: each reads its share in steps
         # the interpreter's bitonic top-k is slow: top-k programs of 128 tokens a step (any power of two
         # >= the window serves), at most 4 of them a row, and for the last case 2 a row (several steps each)
@@ -180,7 +188,7 @@ def test_fused_kernel_matches_the_reference_in_tritons_interpreter(py):
                 ref = draw(logits.float() / t, 5, seq, pos, fused=False)
                 got = gumbel_max_fused(logits, seed_key(5, "cpu"), seq, pos, temperature=t)
                 assert torch.equal(got, ref), (vocab, temp)
-                for k, p in [(1, None), (10, None), (16, 0.9), (40, 0.5), (100, 0.95)]:
+                for k, p in [(1, None), (10, None), (16, 0.9), (40, 0.5), (100, 0.95), (16, 0.8), (40, 0.6)]:
                     w = top_k_window(k)
                     if w is None or w >= vocab or pos.dim() == 0 or vocab > 300:  # the interpreter's time
                         continue
@@ -195,6 +203,31 @@ def test_fused_kernel_matches_the_reference_in_tritons_interpreter(py):
         print("ok")
     """, env={"TRITON_INTERPRET": "1"}, timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+def test_top_p_removes_ties_in_a_fixed_order_whatever_topk_returns():
+    """transformers leaves the order of tied tokens to an unstable sort; here it is fixed: tokens tied at the
+    k-th value and tokens tied above it go lowest id first (as transformers' stable sort on the CPU orders
+    them); -0.0 and 0.0 are one value."""
+    from hipgraph_bridge.generation.sampling import filter_scores, filter_tensors
+
+    logits = torch.full((1, 40), -5.0)
+    logits[0, 0] = 4.0
+    logits[0, [3, 7, 11, 20]] = 2.0  # tied above the k-th value
+    logits[0, [30, 31, 32]] = 1.0  # the k-th value (k = 8) and its ties
+    # p: 0.592, 0.080 each, 0.029 each; running sums from the smallest: 0.029, 0.059, 0.088 (the k-th's
+    # ties), then 0.168 (id 3), 0.249 (id 7), 0.329 (id 11), 0.409 (id 20): a cut of 0.25 keeps 0, 11, 20
+    settings = filter_tensors(1.0, 8, 0.75, 40, "cpu")
+    kept = filter_scores(logits, *settings, k_window=16).isfinite().nonzero()[:, 1].tolist()
+    assert kept == [0, 11, 20]
+    signed = torch.full((1, 40), -5.0)
+    signed[0, 30] = 3.0
+    signed[0, 0:5], signed[0, 5:15] = 0.0, -0.0  # 15 tokens tied at 0 (k = 16: the 16th value is 0)
+    settings = filter_tensors(1.0, 16, 0.8, 40, "cpu")  # 0.2 of the mass goes: the 7 lowest ids of the ties
+    kept = filter_scores(signed, *settings, k_window=16).isfinite().nonzero()[:, 1].tolist()
+    full = filter_scores(signed, *settings, k_window=None).isfinite().nonzero()[:, 1].tolist()
+    assert kept == list(range(7, 15)) + [30], kept
+    assert len(full) == len(kept)  # the sort of the vocabulary removes as many (its tie order is its own)
 
 
 def test_filters_that_are_off_are_left_out_with_the_same_scores():

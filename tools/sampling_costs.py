@@ -1,10 +1,12 @@
 """Where a sampled token's time goes: each piece of the draw captured alone in a CUDA graph and replayed.
 
 A diagnostic for issue 26 (not a suite: no targets). For each vocabulary and batch size it times, per
-token, ``argmax`` (greedy's choice), the plain temperature draw, and the pieces of top-k 50 with top-p
-0.9: the float32 scores, ``topk`` of the 64-token window, the tie count, the fused window kernel, the
-whole ``draw_filtered``, and top-p's one sort. Each piece is captured once into its own graph and
-replayed ``--replays`` times between two CUDA events (the median of 5 such runs).
+token, ``argmax`` (greedy's choice), the temperature draw, top-k 50 with top-p 0.9 (the whole
+``draw_filtered`` and its one kernel alone), top-p's one sort, and for comparison what the kernels
+replaced: torch's ``topk`` of the 64-token window (sorted and not) and the float32 division. Each
+piece is captured into its own graph (ten calls) and replayed ``--replays`` times between two CUDA
+events (the median of 5 such runs). ``--model`` adds the draws on a suite model's own decode logits
+and counts how many rows take the kernel's slower branches.
 
     python tools/sampling_costs.py --out bench-out          # a GPU: JSON and a table
     python tools/sampling_costs.py --model llama-small      # also on that model's own decode logits
@@ -80,8 +82,8 @@ def tie_stats(logits: torch.Tensor, k: int = 50, window: int = 64, temperature: 
     over the programs' lists) and a program's share whose own top-window ends at the k-th score (read
     again). The shares as the kernel splits the row."""
     module = sampling._fused_module()  # noqa: SLF001 - the diagnostic mirrors the kernel's split
-    scores = logits.float() / temperature
-    rows, vocab = scores.shape
+    rows, vocab = logits.shape
+    scores = logits.float() / filter_tensors(temperature, None, None, vocab, logits.device)[0]  # as the kernel
     nblocks, chunk = module._split(vocab, module._TOPK_SUB, module._TOPK_PROGRAMS)  # noqa: SLF001
     top = scores.topk(window, dim=-1).values
     kth = top[:, k - 1:k]
@@ -154,7 +156,8 @@ def main() -> None:
             (), dtype=torch.long, device="cuda")
         case = results[f"{name} decode logits bs 1"] = {}
         turn = iter(range(10**9))
-        draws: dict[str, Callable[[], Any]] = {  # each call draws from the next step's logits
+        # a graph's ten draws read ten consecutive steps' logits (the rows are picked while it is captured)
+        draws: dict[str, Callable[[], Any]] = {
             "argmax (greedy)": lambda: rows[next(turn) % len(rows)].view(1, -1).argmax(dim=-1),
             "temperature draw": lambda: draw_filtered(rows[next(turn) % len(rows)].view(1, -1), t, k, cut, key, seq,
                                                       pos, use_top_k=False, use_top_p=False, k_window=None),

@@ -19,14 +19,15 @@ vocabulary, adds the Gumbel noise to the scores in float64 and keeps each
 block's largest: a step pays one pass over its logits, as ``argmax`` does,
 where an inverse-CDF draw pays a softmax, a float64 scan and a search.
 
-Capture: the kernels allocate only on the caller's stream (outputs, the draw's
-per-block maxima, the window kernel's tie counts, contiguous copies where a
+Capture: the kernels allocate only on the caller's stream (outputs, the
+programs' results or lists, a zeroed per-row counter, contiguous copies where a
 stride asks: a capture routes them to its pool) and read nothing on the host.
-A kernel's JIT compile and module load happen at its first call (the window
-kernel's once per window size and per top-p on or off): call :func:`prepare`
-(or run the code eagerly once, as a capture's warm-up does) before a capture.
-The launches specialise on nothing that differs between a warm-up and the
-capture of the same call (sizes and strides are not specialised).
+A kernel's JIT compile and module load happen at its first call, once per
+logits dtype (and for the top-k kernel per window and top-p on or off): call
+:func:`prepare` (or run the code eagerly once, as a capture's warm-up does)
+before a capture. The launches specialise on nothing that differs between a
+warm-up and the capture of the same call (sizes and strides are not
+specialised; pointers are, on 16-byte alignment, as triton does).
 """
 
 from __future__ import annotations
@@ -155,11 +156,13 @@ def _gumbel_max_kernel(logits_ptr, t_ptr, key_ptr, seq_ptr, pos_ptr, best_ptr, a
 
 @triton.jit
 def _pack(s, token):
-    """One int64 per token that orders as (score, then the lower id first): the float32's bits made
-    monotone (negative values' magnitude bits flipped) above, ``2**32 - 1 - token`` below."""
-    bits = s.to(tl.int32, bitcast=True)
+    """One int64 per token that orders as (score, then id): the float32's bits made monotone (negative
+    values' magnitude bits flipped) above, the token below, so a descending list holds equal scores
+    highest id first (top-p then removes the lowest id of them first, as transformers' stable sort on
+    the CPU does). -0.0 is packed as 0.0: the two compare equal (tied), so they must not order apart."""
+    bits = tl.where(s == 0.0, 0.0, s).to(tl.int32, bitcast=True)
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return (ordered.to(tl.int64) << 32) | (4294967295 - token.to(tl.int64))
+    return (ordered.to(tl.int64) << 32) | token.to(tl.int64)
 
 
 @triton.jit
@@ -167,7 +170,7 @@ def _unpack(key):
     """:func:`_pack`'s score (float32) and token (int64)."""
     ordered = (key >> 32).to(tl.int32)
     bits = tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered)
-    return bits.to(tl.float32, bitcast=True), 4294967295 - (key - ((key >> 32) << 32))
+    return bits.to(tl.float32, bitcast=True), key - ((key >> 32) << 32)
 
 
 @triton.jit
@@ -262,16 +265,16 @@ def _topk_draw_kernel(logits_ptr, t_ptr, k_ptr, cut_ptr, key_ptr, seq_ptr, pos_p
             fit = tl.minimum(tl.maximum(tl.floor(cut / p_tie), 0.0), vocab * 1.0).to(tl.int64)
             top_tied = tl.sum(tl.where(slot == 0, above.to(tl.int64), 0), axis=0) == 0
             gone = tl.maximum(tl.minimum(fit, m - top_tied.to(tl.int64)), 0)
-        if inside == m:  # every tie in the window (the usual case): the window holds them in id order
-            keep = keep | (tied & (tl.cumsum(tied.to(tl.int64), axis=0) > gone))
+        if inside == m:  # every tie in the window (the usual case), highest id first: ranked from the end
+            keep = keep | (tied & (tl.cumsum(tied.to(tl.int64), axis=0, reverse=True) > gone))
         noisy = tl.where(keep, _gumbel_keys(w, ids, seq, pos, k0, k1), float("-inf"))
         best = tl.max(noisy, axis=0)
-        best_id = tl.sum(tl.where(slot == tl.argmax(noisy, axis=0, tie_break_left=True), ids, 0), axis=0)
+        best_id = tl.min(tl.where(noisy == best, ids, 9223372036854775807), axis=0)  # argmax's rule: lowest id
         if inside != m:  # ties beyond the window: ranked by id over the row, drawn from the lists
             offset = tl.cumsum(counts, axis=0) - counts  # ties in the shares before each
-            odd = (r % 2 == 1)[:, None]  # ascending lists: their ties in descending id order
+            odd = (r % 2 == 1)[:, None]  # ascending lists hold ties in id order, descending ones the reverse
             ties = tie_c.to(tl.int64)
-            rank = offset[:, None] + tl.where(odd, tl.cumsum(ties, axis=1, reverse=True), tl.cumsum(ties, axis=1))
+            rank = offset[:, None] + tl.where(odd, tl.cumsum(ties, axis=1), tl.cumsum(ties, axis=1, reverse=True))
             ok = tie_c & (rank > gone) & ~hidden[:, None]
             keys = tl.where(ok, _gumbel_keys(cw, cids, seq, pos, k0, k1), float("-inf"))
             b_best = tl.max(tl.max(keys, axis=1), axis=0)
@@ -367,12 +370,12 @@ def topk_draw_fused(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     top_k_window`), the settings as :func:`.sampling.filter_tensors` makes them. Long ``(batch,)``.
 
     The same tokens as :func:`.sampling.filter_scores` then :func:`.sampling.draw`, but where top-p's
-    float32 running sums (added here in another order) lie within rounding of the cut. Cost: one
-    launch of ``batch * min(32, ceil(vocab / 1024))`` programs, each a bitonic top-``window`` of its
-    share of the row; the row's last program merges their lists (five pairwise bitonic merges, no
-    sort) and filters and draws on the window. Only
-    where the window's last score is tied with the k-th (ties may lie beyond it) does that program
-    read its row: once to count the ties, once to draw among them."""
+    float32 running sums (added here in another order) lie within rounding of the cut. Cost: a
+    ``(batch,)`` counter zeroed, then one launch of ``batch * min(32, ceil(vocab / 1024))`` programs,
+    each a bitonic top-``window`` of its share of the row; the row's last program merges their lists
+    (five pairwise bitonic merges, no sort) and filters and draws on the window. Tokens tied at the
+    k-th score outside the window are counted and drawn from the programs' lists; only a share whose
+    own list ends at the k-th score (it may hold more ties) is read again, to count and to draw."""
     b, vocab = logits.shape
     seq, pos = _rows(b, sequence, position)
     nblocks, chunk = _split(vocab, _TOPK_SUB, _TOPK_PROGRAMS)
@@ -403,5 +406,5 @@ def prepare(device: torch.device, *, k_window: int | None = None, top_p: bool = 
         logits = torch.zeros(1, (k_window or 3) + 1, dtype=dtype, device=device)  # sizes are not specialised
         gumbel_max_fused(logits, key, one, one, temperature=t)
         if k_window is not None:
-            topk_draw_fused(logits, t, one, torch.zeros((), device=device), key, one, one, window=k_window,
-                            top_p=top_p)
+            topk_draw_fused(logits, t, one, torch.zeros((), dtype=torch.float32, device=device), key, one, one,
+                            window=k_window, top_p=top_p)

@@ -33,10 +33,12 @@ Top-k with a small k reads the k-th largest logit from ``topk`` over a window
 of at least k (a power of two, :func:`top_k_window`) instead of a sort of the
 vocabulary, and top-p then works on that window: every survivor above the
 k-th value is in it, and the tokens tied at the k-th value are counted over
-the vocabulary where the window's last value is tied too. transformers orders tied tokens by an unstable sort, so which
+the vocabulary. transformers orders tied tokens by an unstable sort, so which
 of several tied tokens top-p removes is not defined there; here the tokens
-tied at the k-th value go in vocabulary order (lowest id removed first), and
-tokens tied above it in ``topk``'s order.
+tied at the k-th value go in vocabulary order (lowest id removed first), and so
+do tokens tied above it (the window holds equal scores highest id first, and
+top-p removes from the smallest running sum up), as transformers' sort does on
+the CPU, where it is stable.
 """
 
 from __future__ import annotations
@@ -253,8 +255,9 @@ def filter_tensors(temperature: float, top_k: int | None, top_p: float | None, v
 
 
 WINDOW_MAX = 128
-"""The largest top-k window (:func:`top_k_window`): a larger k sorts the vocabulary once. Up to 128 the
-fused kernel ranks the window's ties by id in one program; a larger window would read its row there."""
+"""The largest top-k window (:func:`top_k_window`): a larger k sorts the vocabulary once. The fused
+kernel's last program holds 32 lists of the window's size (int64 keys) and merges them: a larger window
+would spill its registers."""
 
 
 def top_k_window(top_k: int | None) -> int | None:
@@ -290,6 +293,7 @@ def filter_scores(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         kth = window.gather(-1, k.view(1, 1).expand(rows, 1))
         if not use_top_p:
             return scores.masked_fill(scores < kth, -math.inf)
+        window, index = _window_by_id(window, index)  # top-p removes equal scores in a fixed order
         return scores.masked_fill(_window_top_p(scores, window, index, kth, top_p_cut), -math.inf)
     if not use_top_p:
         if use_top_k:
@@ -309,10 +313,20 @@ def filter_scores(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return scores.masked_fill(remove.scatter(-1, order, remove), -math.inf)
 
 
+def _window_by_id(window: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``topk``'s window (descending) with equal scores highest id first (``topk`` leaves their order
+    undefined; the kernel's window has this order), -0.0 read as 0.0 (they compare equal)."""
+    window = window + 0.0  # -0.0 + 0.0 is 0.0: a sort by value must not part equal scores
+    by_id = index.argsort(dim=-1, descending=True)
+    window, index = window.gather(-1, by_id), index.gather(-1, by_id)
+    window, order = window.sort(dim=-1, descending=True, stable=True)
+    return window, index.gather(-1, order)
+
+
 def _window_top_p(scores: torch.Tensor, window: torch.Tensor, index: torch.Tensor, kth: torch.Tensor,
                   cut: torch.Tensor) -> torch.Tensor:
-    """Which tokens top-k and then top-p remove, from ``topk``'s ``window`` (descending) and ``index``
-    and the k-th value ``kth`` (``(rows, 1)``): a ``(rows, vocab)`` bool mask.
+    """Which tokens top-k and then top-p remove, from ``topk``'s ``window`` (descending, equal scores highest
+    id first: :func:`_window_by_id`) and ``index`` and the k-th value ``kth`` (``(rows, 1)``): a ``(rows, vocab)`` bool mask.
 
     The survivors of top-k are the tokens >= ``kth``. Those above it number fewer than k, so all are in
     the window; those equal to it (``m`` of them) may not be, and are counted over the vocabulary.
