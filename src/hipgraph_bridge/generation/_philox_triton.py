@@ -158,8 +158,8 @@ def _gumbel_max_kernel(logits_ptr, t_ptr, key_ptr, seq_ptr, pos_ptr, best_ptr, a
 def _pack(s, token):
     """One int64 per token that orders as (score, then id): the float32's bits made monotone (negative
     values' magnitude bits flipped) above, the token below, so a descending list holds equal scores
-    highest id first (top-p then removes the lowest id of them first, as transformers' stable sort on
-    the CPU does). -0.0 is packed as 0.0: the two compare equal (tied), so they must not order apart."""
+    highest id first (top-p then removes the lowest id of them first, as it removes the tokens tied at
+    the k-th value). -0.0 is packed as 0.0: the two compare equal (tied), so they must not order apart."""
     bits = tl.where(s == 0.0, 0.0, s).to(tl.int32, bitcast=True)
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     return (ordered.to(tl.int64) << 32) | token.to(tl.int64)

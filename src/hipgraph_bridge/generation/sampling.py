@@ -37,8 +37,7 @@ the vocabulary. transformers orders tied tokens by an unstable sort, so which
 of several tied tokens top-p removes is not defined there; here the tokens
 tied at the k-th value go in vocabulary order (lowest id removed first), and so
 do tokens tied above it (the window holds equal scores highest id first, and
-top-p removes from the smallest running sum up), as transformers' sort does on
-the CPU, where it is stable.
+top-p removes from the smallest running sum up).
 """
 
 from __future__ import annotations
