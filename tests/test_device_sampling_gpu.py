@@ -202,9 +202,9 @@ def test_fused_top_k_top_p_draw_equals_the_reference(vocab, dtype):
     on logits rounded to quarters so that ties are many (row 0: 40 tied at the k-th value, beyond a small
     window; row 1: only 5 finite tokens, so a k above 5 has -inf for its k-th value; row 2: every token tied).
     The kernels read the logits in their own dtype (bf16: exactly the quarters) and divide by the temperature
-    themselves. The temperature alone and top-k alone: the same tokens. With top-p the kernel adds its float32 running sums in another order (and
-    triton's exp is not torch's), so a sum within rounding of the cut may fall the other way: at most 1% of
-    the draws differ; every token drawn has a finite logit."""
+    themselves. The temperature alone and top-k alone: the same tokens. With top-p the kernel adds its
+    float32 running sums in another order (and triton's exp is not torch's), so a sum within rounding of
+    the cut may fall the other way: at most 1% of the draws differ; every token drawn has a finite logit."""
     _triton_or_skip()
     g = torch.Generator(device="cuda").manual_seed(vocab)
     logits = torch.round(torch.randn(4, vocab, device="cuda", generator=g) * 12) / 4

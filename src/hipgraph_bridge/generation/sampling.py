@@ -324,8 +324,9 @@ def _window_by_id(window: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tens
 
 def _window_top_p(scores: torch.Tensor, window: torch.Tensor, index: torch.Tensor, kth: torch.Tensor,
                   cut: torch.Tensor) -> torch.Tensor:
-    """Which tokens top-k and then top-p remove, from ``topk``'s ``window`` (descending, equal scores highest
-    id first: :func:`_window_by_id`) and ``index`` and the k-th value ``kth`` (``(rows, 1)``): a ``(rows, vocab)`` bool mask.
+    """Which tokens top-k and then top-p remove, from ``topk``'s ``window`` (descending, equal scores
+    highest id first: :func:`_window_by_id`) and ``index`` and the k-th value ``kth`` (``(rows, 1)``):
+    a ``(rows, vocab)`` bool mask.
 
     The survivors of top-k are the tokens >= ``kth``. Those above it number fewer than k, so all are in
     the window; those equal to it (``m`` of them) may not be, and are counted over the vocabulary.
@@ -362,10 +363,9 @@ def draw_filtered(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 
     On a GPU (``fused`` as :func:`draw` takes it) with top-k in a window, the temperature, the window's
     top-k, the filters and the draw are one Triton kernel (:func:`._philox_triton.topk_draw_fused`): the
-    same tokens but where a top-p running sum lies
-    within float32 rounding of the cut (the sums are added in another order). With the temperature
-    alone, the draw's kernel divides the logits as it reads them: the same tokens. Otherwise
-    :func:`filter_scores`' torch ops and :func:`draw`."""
+    same tokens but where a top-p running sum lies within float32 rounding of the cut (the sums are
+    added in another order). With the temperature alone, the draw's kernel divides the logits as it
+    reads them: the same tokens. Otherwise :func:`filter_scores`' torch ops and :func:`draw`."""
     key = seed_key(seed, logits.device) if isinstance(seed, int) else seed
     _same_device("draw_filtered", logits, key, sequence, position)
     vocab = logits.shape[-1]
