@@ -140,6 +140,7 @@ def test_the_reference_runs_on_a_cpu_and_the_kernel_is_refused_there():
         uniform(11, seq, pos, fused=True)
 
 
+@pytest.mark.slow  # some minutes: the interpreter runs the bitonic networks in numpy
 def test_fused_kernel_matches_the_reference_in_tritons_interpreter(py):
     """The kernel's integer arithmetic (uint32 words, umulhi, the int64 -> uint32 casts) checked without a GPU:
     triton's interpreter runs it on CPU tensors. Needs triton (PyTorch's CUDA/ROCm builds ship it)."""
