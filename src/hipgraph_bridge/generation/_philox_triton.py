@@ -193,7 +193,7 @@ def _topk_draw_kernel(logits_ptr, t_ptr, k_ptr, cut_ptr, key_ptr, seq_ptr, pos_p
                       SUB: tl.constexpr, NB_MAX: tl.constexpr, LOG_NB: tl.constexpr, ROW_BLOCK: tl.constexpr,
                       TOP_P: tl.constexpr):
     """Program ``(row, blk)``: the ``WINDOW`` largest scores (logits / temperature) of tokens ``[blk * chunk,
-    (blk + 1) * chunk)``, by a bitonic top-k over :func:`_pack`'s keys (ties: the lower ids). The row's
+    (blk + 1) * chunk)``, by a bitonic top-k over :func:`_pack`'s keys (equal scores: the higher id first). The row's
     last program to finish takes the row's window from the programs' and applies top-k, then (``TOP_P``)
     top-p, then the Gumbel-max draw over what is left: :func:`.sampling._window_top_p` and
     :func:`.sampling.draw` in one program."""
@@ -225,14 +225,14 @@ def _topk_draw_kernel(logits_ptr, t_ptr, k_ptr, cut_ptr, key_ptr, seq_ptr, pos_p
         above = w > kth
         tied = w == kth
         inside = tl.sum(tied.to(tl.int64), axis=0)
-        # the tokens tied at the k-th value, counted per program's list (programs hold ids in order): a list
+        # the tokens tied at the k-th value, counted per program's list (the programs' shares are in id order): a list
         # whose smallest is the k-th value may not hold all of its share's ties; only that share is read
         real = cand != -9223372036854775808
         cw, cids = _unpack(cand)
         tie_c = real & (cw == kth)
         counts = tl.sum(tie_c.to(tl.int64), axis=1)
         low = tl.min(cand, axis=1)
-        low_w, low_id = _unpack(low)
+        low_w, _ = _unpack(low)
         hidden = (r < nblocks) & (low != -9223372036854775808) & (low_w == kth) & (low_w > float("-inf"))
         any_hidden = tl.sum(hidden.to(tl.int32), axis=0) > 0
         if any_hidden:
