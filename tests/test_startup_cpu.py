@@ -228,3 +228,16 @@ def test_one_frame_is_checked_and_refused_where_it_cannot_apply(monkeypatch):
     with pytest.raises(NotImplementedError, match="backed_size_oblivious"):
         warmup(f, torch.zeros(2, 2), buckets=[2], progress=False, one_frame=True)
     assert f.calls == []  # refused before any call
+
+
+def test_compile_profile_reports_dynamos_timers_and_counters():
+    """The start-up suite's children report where compile time went: dynamo's largest timers (seconds and
+    calls) and its frame counters, read through the one module that holds private torch access."""
+    from hipgraph_bridge._torch_compat import compile_profile
+
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x.sin() + 1, backend="eager")
+    f(torch.ones(3))
+    prof = compile_profile(top=3)
+    assert len(prof["timers_s"]) <= 3 and all(v["s"] >= 0 and v["calls"] >= 1 for v in prof["timers_s"].values())
+    assert prof["frames"].get("ok", 0) >= 1 and prof["graph_breaks"] >= 0 and prof["recompiles"] >= 0

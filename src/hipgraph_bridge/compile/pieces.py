@@ -50,7 +50,7 @@ from ..padding.fx import trace_graph
 from ..padding.staging import Arena, PadRegion
 from ..validation import checked_against_eager
 from .parts import Layout, Mode, PieceEnv, narrow, token_dims
-from .plan import value_use
+from .plan import graph_modules, value_use
 
 __all__ = ["Piece"]
 
@@ -143,8 +143,7 @@ class Piece:
         if compound:
             return Fallback(Reason.SIZE_EXPRESSION, f"{self.name}: {compound[0]}, which padding cannot slice back",
                             logging.INFO)
-        graphs = [m for m in module.modules() if isinstance(m, fx.GraphModule)]  # regions' subgraphs too
-        for node in (n for g in graphs for n in g.graph.nodes):
+        for node in (n for g in graph_modules(module) for n in g.graph.nodes):  # regions' subgraphs too
             e = sym_expr(node.meta.get("example_value"))
             if e is not None and token in e.free_symbols and (bad := value_use(node)) is not None:
                 return Fallback(Reason.SIZE_AS_VALUE, f"{self.name}: the token count is used as a value by "

@@ -50,7 +50,7 @@ from .._torch_compat import (collective_op_name, static_address_type, subgraph_o
                              subgraph_operands, sym_expr, sym_hint, sym_range)
 
 __all__ = ["InputSlot", "IntOutput", "GraphPlan", "analyze", "fx_mutated_inputs", "collective_ops", "is_ref",
-           "value_use", "VIEW_OPS"]
+           "value_use", "graph_modules", "VIEW_OPS"]
 
 InputKind = Literal["batched", "ref", "owned", "batch_int", "shape_int", "batch_like", "const"]
 
@@ -331,8 +331,7 @@ class _Analysis:
         if self.batch_symbol is None:
             return
         # regions' subgraphs too: a region may read the batch from its own tensors (x.numel())
-        graphs = [m for m in self.gm.modules() if isinstance(m, fx.GraphModule)]
-        for n in (n for g in graphs for n in _nodes_with_symbol(g, self.batch_symbol)):
+        for n in (n for g in graph_modules(self.gm) for n in _nodes_with_symbol(g, self.batch_symbol)):
             bad = value_use(n)
             if bad is not None:
                 self._refuse("batch_value", f"the batch size ({n.name}) is used as a value by "
@@ -406,6 +405,12 @@ VIEW_OPS = frozenset({
     "unbind", "as_strided", "detach", "getitem", "__getitem__", "diagonal", "movedim", "swapaxes",
     "swapdims", "contiguous", "real", "imag", "view_as_real", "view_as_complex", "tensor_split",
 })
+
+
+def graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """``gm`` and the subgraphs it holds (a region's, ``nested_compile_region``: traced once, called by
+    ``invoke_subgraph``), each once: what reads the graph's nodes for a use must read theirs too."""
+    return [m for m in gm.modules() if isinstance(m, fx.GraphModule)]
 
 
 def fx_mutated_inputs(gm: fx.GraphModule) -> frozenset[int]:

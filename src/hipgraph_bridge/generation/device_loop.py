@@ -294,12 +294,12 @@ class DeviceDecodeLoop:
 
     def _prepare_kernels(self) -> None:
         """Compile and load, before a capture, what the body launches that a capture could not load: the
-        sampling body's Triton kernels, the fused top-k kernel of its window included. A warm-up runs the
-        body eagerly before the capture, which compiles exactly the variant it uses (the logits' dtype);
-        with ``warmup_iters=0`` nothing does, so the float32, bfloat16 and float16 variants are compiled
-        here (one compile each, some seconds the first time on a machine, then from triton's cache)."""
+        sampling body's Triton kernels, the fused top-k kernel of its window included, for float32, bf16
+        and fp16 logits (the warm-ups would compile the one used; this does not depend on their number:
+        ``warmup_iters=0`` is safe; each variant is compiled once per machine, then read from triton's
+        cache)."""
         kind = self._kind
-        if kind.sampling and self._loop.strategy == "pending" and self._loop.warmup_iters == 0:
+        if kind.sampling and self._loop.strategy == "pending":
             prepare_fused(self._eos_pad.device, k_window=kind.k_window, top_p=kind.top_p)
 
     def chunks(self, tokens: torch.Tensor, position: Position, *, max_new_tokens: int, eos_token_id: EosIds = None,
