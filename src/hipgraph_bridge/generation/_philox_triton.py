@@ -49,8 +49,12 @@ _W1: tl.constexpr = tl.constexpr(0xBB67AE85)
 _BLOCK = 256
 _VOCAB_BLOCK = 2048  # tokens per step of a Gumbel-max program
 _DRAW_PROGRAMS = 64  # at most, per row: 16 at 32k, 63 at 128k; a larger vocabulary gives each program more
-_TOPK_SUB = 1024  # tokens per step of a top-k program (a bitonic top-k of that many keys)
+_TOPK_SUB = 512  # tokens per step of a top-k program (a bitonic top-k of that many keys)
 _TOPK_PROGRAMS = 32  # at most, per row: 32 at 32k (1024 each), 32 at 128k (4096 each)
+# Eight warps: half the keys per thread of four, so half the unrolled code. In a decode step the model's
+# weights evict the kernel's code from L2; with four warps (and 1024-key steps) that cost 10 us more
+# per draw than back-to-back replays did, with eight 1-3 us (H200, 32k and 128k vocabularies).
+_TOPK_WARPS = 8
 _ROW_BLOCK = 1024  # tokens per step of the pass over a row (ties beyond the window)
 
 
@@ -371,7 +375,7 @@ def topk_draw_fused(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
 
     The same tokens as :func:`.sampling.filter_scores` then :func:`.sampling.draw`, but where top-p's
     float32 running sums (added here in another order) lie within rounding of the cut. Cost: a
-    ``(batch,)`` counter zeroed, then one launch of ``batch * min(32, ceil(vocab / 1024))`` programs,
+    ``(batch,)`` counter zeroed, then one launch of ``batch * min(32, ceil(vocab / 512))`` programs,
     each a bitonic top-``window`` of its share of the row; the row's last program merges their lists
     (five pairwise bitonic merges, no sort) and filters and draws on the window. Tokens tied at the
     k-th score outside the window are counted and drawn from the programs' lists; only a share whose
@@ -388,7 +392,8 @@ def topk_draw_fused(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
         _topk_draw_kernel[(b, nblocks)](logits, temperature, top_k, top_p_cut, key, seq, pos, cand, count, out,
                                         vocab, chunk, nblocks, logits.stride(0), seq.stride(0), pos.stride(0),
                                         WINDOW=window, SUB=_TOPK_SUB, NB_MAX=_TOPK_PROGRAMS,
-                                        LOG_NB=_TOPK_PROGRAMS.bit_length() - 1, ROW_BLOCK=_ROW_BLOCK, TOP_P=top_p)
+                                        LOG_NB=_TOPK_PROGRAMS.bit_length() - 1, ROW_BLOCK=_ROW_BLOCK, TOP_P=top_p,
+                                        num_warps=_TOPK_WARPS)
     return out
 
 
