@@ -606,12 +606,14 @@ def compile_profile(top: int = 12) -> dict[str, Any]:
     from torch._dynamo import utils  # heavy (imports dynamo): only start-up tools ask
 
     metrics = getattr(utils, "compilation_time_metrics", {})
-    timers = sorted(((name, float(sum(v)), len(v)) for name, v in metrics.items()), key=lambda x: -x[1])[:top]
+    timers = sorted(((str(name), float(sum(v)), len(v)) for name, v in metrics.items()), key=lambda x: -x[1])[:top]
     counters = getattr(utils, "counters", {})
+
+    def counts(group: str) -> dict[str, int]:  # JSON-ready: a counter's keys may be tuples or objects
+        return {str(k): int(v) for k, v in counters.get(group, {}).items()}
     return {"timers_s": {name: {"s": round(sec, 3), "calls": n} for name, sec, n in timers},
-            "frames": dict(counters.get("frames", {})), "stats": dict(counters.get("stats", {})),
-            "graph_breaks": sum(counters.get("graph_break", {}).values()),
-            "recompiles": sum(counters.get("recompiles", {}).values())}
+            "frames": counts("frames"), "stats": counts("stats"),
+            "graph_breaks": sum(counts("graph_break").values()), "recompiles": sum(counts("recompiles").values())}
 
 
 _INVOKE_SUBGRAPH = getattr(getattr(torch.ops, "higher_order", None), "invoke_subgraph", None)
