@@ -42,3 +42,15 @@ def test_pointer_check_python_fallback():
 def test_symbolic_helpers_on_plain_values():
     assert tc.sym_expr(3) is None and tc.sym_hint(3) == 3 and tc.sym_hint(True) is None
     assert tc.sym_range(None, None) == (2, None)  # no shape env: dynamo's usual 0/1 specialisation
+
+
+def test_gpu_sleep_says_false_where_torch_has_no_sleep_kernel(monkeypatch):
+    import torch
+
+    from hipgraph_bridge import _torch_compat
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: calls.append(cycles), raising=False)
+    assert _torch_compat.gpu_sleep(12.7) is True and calls == [12]
+    monkeypatch.delattr(torch.cuda, "_sleep")
+    assert _torch_compat.gpu_sleep(100) is False and calls == [12]

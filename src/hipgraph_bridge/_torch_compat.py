@@ -668,3 +668,14 @@ def maybe_mark_dynamic(t: torch.Tensor, dim: int) -> None:
     import torch._dynamo  # heavy: only a compiled function's warm-up asks
 
     torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
+def gpu_sleep(cycles: int) -> bool:
+    """Keep the current CUDA stream busy for about ``cycles`` GPU clock cycles (``torch.cuda._sleep``), so
+    that work queued behind it runs back to back without waiting for the host. Returns False (and does
+    nothing) where this torch has no such kernel."""
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is None:
+        return False
+    sleep(int(cycles))
+    return True

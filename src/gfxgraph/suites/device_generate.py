@@ -31,8 +31,11 @@ The loop against the step's own speed (issue 26, ``step_time``): after a prefill
 device loop (K=256) decodes 255 tokens in one launch, timed with CUDA events, greedy and with
 each sampling setting; the hand-written step graph (the model's step and its argmax, nothing
 else; for a sampling setting the model's step and the same ``draw_filtered`` the loop's body
-makes) is replayed 255 times back to back with no host read between the same kind of events.
-Target: per token, the loop <= 1.03x its own step graph (what the loop adds: the conditional
+makes) is replayed 255 times back to back with no host read between the same kind of events,
+queued behind a GPU sleep so that the events time the GPU's work, not the host's launches (a graph
+whose launch the host takes longer to queue than the GPU to run would otherwise time the host).
+The loop and its step graph are timed in alternation, five rounds; a ratio is the median of the
+rounds' ratios. Target: per token, the loop <= 1.03x its own step graph (what the loop adds: the conditional
 node, the bookkeeping kernel), at batch 1 and 4 on both models; the sampling loops' time over
 the greedy step graph (the draw's cost and the loop's together) is reported beside it.
 
@@ -45,6 +48,7 @@ compiles or captures and is not timed (its seconds are reported). Reported, no t
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from typing import Any
@@ -54,6 +58,7 @@ import torch
 from gfxgraph.hf import StaticCacheDecoder, compile_config
 from gfxgraph.suites._common import figure, parser, timed, write
 from gfxgraph.suites.llm_decode import CONFIGS, HandCaptured, build_model, make_step, new_cache, prefill
+from hipgraph_bridge._torch_compat import gpu_sleep
 from hipgraph_bridge.generation.sampling import draw_filtered, filter_flags, filter_tensors, seed_key, top_k_window
 
 PROMPT, NEW, CHUNKS = 16, 256, (16, 64, 256)
@@ -164,17 +169,36 @@ def _loop_ms_per_token(dec: StaticCacheDecoder, ids: torch.Tensor, b: int, setti
 
 def _graph_ms_per_step(hand: HandLoop, ids: torch.Tensor, graph: HandCaptured | None = None) -> float:
     """GPU milliseconds per replay of a hand-written step graph (the greedy one unless ``graph``), replayed
-    back to back with no host read."""
+    back to back with no host read. The replays are queued behind a GPU sleep that lasts longer than
+    queueing them takes, so the events time the GPU's work alone, not the host's launches."""
     g = (graph or hand.graph).g
     hand.cache.reset()
     prefill(hand.model, hand.cache, ids)
+    t0 = time.perf_counter()
+    for _ in range(8):  # how long the host takes to queue a replay
+        g.replay()
+    queue_s = (time.perf_counter() - t0) / 8 * (NEW - 1)
+    torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    gpu_sleep(int((2 * queue_s + 0.005) * _cycles_per_s()))
     start.record()
     for _ in range(NEW - 1):
         g.replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / (NEW - 1)
+
+
+@functools.cache
+def _cycles_per_s() -> float:
+    """The GPU's clock cycles per second, as its sleep kernel counts them (timed once)."""
+    gpu_sleep(1000)  # loaded
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    gpu_sleep(20_000_000)
+    end.record()
+    torch.cuda.synchronize()
+    return 20_000_000 / (start.elapsed_time(end) / 1e3)
 
 
 def _draw_step(hand: HandLoop, settings: dict[str, Any]) -> HandCaptured:
@@ -194,24 +218,26 @@ def _draw_step(hand: HandLoop, settings: dict[str, Any]) -> HandCaptured:
     return HandCaptured(step, b, 1)
 
 
-def step_time(modes: dict[str, Any], ids: torch.Tensor, b: int, repeats: int = 3) -> dict[str, Any]:
+def step_time(modes: dict[str, Any], ids: torch.Tensor, b: int, rounds: int = 5) -> dict[str, Any]:
     """The device loop's time per token (greedy and each sampling setting) against the step graph's own:
     the greedy step graph (the model's step and its argmax) and, for a sampling setting, the step graph
-    with that setting's draw in place of the argmax."""
+    with that setting's draw in place of the argmax. The loop and its graph are timed in alternation,
+    ``rounds`` times; a ratio is the median of the rounds' ratios (the GPU's clocks drift between rounds)."""
     hand = modes["hand-written graph"]
     dec = StaticCacheDecoder(hand.model, max_cache_len=PROMPT + NEW + 8, device_loop=256)
-    graph = statistics.median(_graph_ms_per_step(hand, ids) for _ in range(repeats))
+    graph = statistics.median(_graph_ms_per_step(hand, ids) for _ in range(rounds))
     res: dict[str, Any] = {"step_graph_ms": graph}
     for label, settings in {"greedy": {}, **SAMPLING}.items():
-        own = graph
-        if settings:
-            drawing = _draw_step(hand, settings)
-            own = statistics.median(_graph_ms_per_step(hand, ids, drawing) for _ in range(repeats))
+        own_graph = _draw_step(hand, settings) if settings else None
         # this kind's body captured (and the Triton kernel loaded) untimed; one decoder, a body at a time
         dec.generate(ids, max_new_tokens=2, eos_token_id=None, **settings)
-        ms = statistics.median(_loop_ms_per_token(dec, ids, b, settings) for _ in range(repeats))
-        res[label] = {"loop_ms_per_token": ms, "ratio_to_step_graph": ms / graph, "own_step_graph_ms": own,
-                      "ratio_to_own_step_graph": ms / own}
+        pairs = [(_loop_ms_per_token(dec, ids, b, settings), _graph_ms_per_step(hand, ids, own_graph),
+                  _graph_ms_per_step(hand, ids)) for _ in range(rounds)]
+        loop, own, greedy = (statistics.median(x) for x in zip(*pairs))
+        res[label] = {"loop_ms_per_token": loop, "own_step_graph_ms": own,
+                      "ratio_to_own_step_graph": statistics.median(lp / o for lp, o, _ in pairs),
+                      "ratio_to_step_graph": statistics.median(lp / g for lp, _, g in pairs),
+                      "rounds_ms": [list(p) for p in pairs]}
     return res
 
 
