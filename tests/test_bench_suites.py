@@ -310,3 +310,32 @@ def test_prefill_child_prints_each_contender_as_it_finishes_and_progress_on_stde
     assert any(f["name"] == "llama-small no-such-mode: failed" for f in figures_of([res]))
     assert "prefill llama-small eager: start [" in err and "s into eager, " in err
     assert "prefill llama-small eager: done: stream total" in err and "prefill llama-small no-such-mode: failed" in err
+
+
+def _device_generate_case(own_topk_ms: float) -> dict:
+    """A device_generate case's results as run_case writes them (numbers made up for the verdict logic)."""
+    from gfxgraph.suites.device_generate import CHUNKS, SAMPLE_K, SAMPLING
+
+    mode = {"tokens_per_s": 100.0, "tokens_equal_eager": True, "agreement": 1.0, "first_divergence": None,
+            "new_tokens": 256}
+    r = {k: dict(mode) for k in ("eager", "hand-written graph", "pool", *(f"device K={c}" for c in CHUNKS),
+                                 *(f"device K={SAMPLE_K} {s}" for s in SAMPLING))}
+    step = {"loop_ms_per_token": 1.02, "own_step_graph_ms": 1.0, "ratio_to_own_step_graph": 1.02,
+            "ratio_to_step_graph": 1.02}
+    topk = {"loop_ms_per_token": 1.05, "own_step_graph_ms": own_topk_ms,
+            "ratio_to_own_step_graph": 1.05 / own_topk_ms, "ratio_to_step_graph": 1.05}
+    r["step_time"] = {"step_graph_ms": 1.0, "greedy": step, "sample t=0.8": step, "sample top-k 50 top-p 0.9": topk}
+    return r
+
+
+def test_device_generate_gives_no_verdict_where_the_loop_beats_its_own_step_graph():
+    from gfxgraph.suites.device_generate import case_figures
+
+    def verdict(own_ms: float) -> dict:
+        figs = case_figures("m", 1, _device_generate_case(own_ms))
+        return next(f for f in figs if "top-k" in f["name"] and "its own step graph" in f["name"])
+
+    assert verdict(1.03)["pass"] is True and "NO VERDICT" not in verdict(1.03)["note"]
+    assert verdict(1.0)["pass"] is False  # 1.05: over the target
+    broken = verdict(1.4)  # the loop, which runs this graph's work and more, 25% faster: the graph is not trusted
+    assert broken["pass"] is None and "NO VERDICT" in broken["note"]

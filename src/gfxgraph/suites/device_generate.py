@@ -66,6 +66,7 @@ SAMPLING = {"sample t=0.8": dict(do_sample=True, temperature=0.8, seed=1),
             "sample top-k 50 top-p 0.9": dict(do_sample=True, temperature=0.8, top_k=50, top_p=0.9, seed=1)}
 SAMPLE_K = 64  # the device loop's chunk for the sampling modes (and their greedy reference)
 HF_BATCHES = (1, 4, 16)
+BASELINE_SLACK = 0.03  # how much faster than its own step graph the loop may run before that graph is doubted
 
 
 class HandLoop:
@@ -318,10 +319,13 @@ def case_figures(name: str, b: int, r: dict[str, Any]) -> list[dict[str, Any]]:
         s = st[label]
         ratio = s["ratio_to_own_step_graph"]
         own = "the step graph" if label == "greedy" else f"the step graph with the same draw ({label})"
+        note = f"loop {s['loop_ms_per_token']:.4f} ms, {own} {s['own_step_graph_ms']:.4f} ms per token (CUDA events)"
+        trusted = ratio >= 1 - BASELINE_SLACK
+        if not trusted:  # the loop runs the graph's work and more: a graph slower than that is a broken baseline
+            note += (f"; NO VERDICT: the loop is faster than its own step graph by more than "
+                     f"{BASELINE_SLACK:.0%}, so that graph's time is not what its work costs")
         figs.append(figure(f"{name} bs {b} device loop K=256 {label}: GPU ms per token / its own step graph "
-                           "replayed back to back", ratio, "<= 1.03", ratio <= 1.03,
-                           note=f"loop {s['loop_ms_per_token']:.4f} ms, {own} {s['own_step_graph_ms']:.4f} ms "
-                                "per token (CUDA events)"))
+                           "replayed back to back", ratio, "<= 1.03", ratio <= 1.03 if trusted else None, note=note))
         if label != "greedy":
             figs.append(figure(f"{name} bs {b} device loop K=256 {label}: GPU ms per token / greedy step graph",
                                s["ratio_to_step_graph"], None, None,
