@@ -1,0 +1,92 @@
+"""Which kernels take longer inside the device loop than in the step graph: a per-kernel profile of both.
+
+A diagnostic for issue 26 (not a suite: no targets). On a device_generate model, the hand-written greedy
+step graph (``device_generate.HandLoop``) is replayed ``--tokens`` times and ``StaticCacheDecoder
+(device_loop=256)`` decodes ``--tokens`` tokens in one launch, each under ``torch.profiler`` (CUPTI records
+the kernels a graph launches, and those of a conditional node's body). Per kernel name: launches and
+microseconds per token in each, and the difference, largest first. The loop's wall time per token over
+the graph's (device_generate's ``step_time``) is 16 us on the small model and 99 us on the 1.2B model at
+batch 1, where a synthetic body costs the loop 6-8 us (``tools/loop_costs.py``): this says which kernels
+the rest is in.
+
+    python tools/loop_profile.py --model llama-1.2b --out bench-out     # a GPU: JSON and a table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from gfxgraph.hf import StaticCacheDecoder
+from gfxgraph.suites.device_generate import NEW, PROMPT, HandLoop
+from gfxgraph.suites.llm_decode import build_model, prefill
+
+
+def kernel_us(run: Callable[[], Any], tokens: int) -> dict[str, dict[str, float]]:
+    """Per kernel name (the first 100 characters): launches and device microseconds per token of ``run``."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    rows: dict[str, dict[str, float]] = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", 0) or 0
+        if us > 0 and e.device_type.name == "CUDA":
+            row = rows.setdefault(e.key[:100], {"launches_per_token": 0.0, "us_per_token": 0.0})
+            row["launches_per_token"] += e.count / tokens
+            row["us_per_token"] += us / tokens
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama-1.2b")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--out", default="bench-out")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("loop_profile: needs a GPU")
+    model, b, n = build_model(args.model), args.batch, args.tokens
+    ids = torch.randint(0, model.config.vocab_size, (b, PROMPT), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(b))
+    with torch.no_grad():
+        hand = HandLoop(model, b, PROMPT + NEW + 8)
+        hand.cache.reset()
+        prefill(model, hand.cache, ids)
+        graph = kernel_us(lambda: [hand.graph.g.replay() for _ in range(n)], n)
+        dec = StaticCacheDecoder(model, max_cache_len=PROMPT + NEW + 8, device_loop=256)
+        dec.generate(ids, max_new_tokens=2, eos_token_id=None)  # captured
+        first = dec.generate(ids, max_new_tokens=1, eos_token_id=None)[:, 0]
+        loop = dec._slots[b].loop  # noqa: SLF001 - the loop alone, without the decoder's prefill
+        assert loop is not None
+        in_loop = kernel_us(lambda: loop.generate(first, ids.shape[1], max_new_tokens=n), n)
+    names = set(graph) | set(in_loop)
+    zero = {"launches_per_token": 0.0, "us_per_token": 0.0}
+    diff = sorted(((k, in_loop.get(k, zero)["us_per_token"] - graph.get(k, zero)["us_per_token"]) for k in names),
+                  key=lambda kv: -abs(kv[1]))
+    total = {what: sum(r["us_per_token"] for r in rows.values()) for what, rows in (("graph", graph),
+                                                                                    ("loop", in_loop))}
+    print(f"{args.model} bs {b}: kernel time per token, step graph {total['graph']:.1f} us, loop "
+          f"{total['loop']:.1f} us; largest differences (loop - graph, us per token):")
+    for name, d in diff[:15]:
+        g, lp = graph.get(name, zero), in_loop.get(name, zero)
+        print(f"  {d:+8.2f}  graph {g['us_per_token']:7.2f} ({g['launches_per_token']:.1f}x)  loop "
+              f"{lp['us_per_token']:7.2f} ({lp['launches_per_token']:.1f}x)  {name}")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"loop_profile_{args.model}_bs{b}.json")
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
+                   "batch": b, "tokens": n, "method": __doc__, "total_us_per_token": total,
+                   "step_graph": graph, "loop": in_loop, "difference_us_per_token": dict(diff)}, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
