@@ -12,7 +12,8 @@ from gfxgraph import ConfigError
 from gfxgraph.hf import StaticCacheDecoder
 from hipgraph_bridge.generation import DeviceDecodeLoop
 from hipgraph_bridge.generation.device_loop import BodyKind
-from hipgraph_bridge.generation.sampling import SamplingParams, sample_tokens
+from hipgraph_bridge.generation.sampling import (SamplingParams, chooser, draw_filtered, filter_flags, filter_tensors,
+                                                 sample_tokens, seed_key, top_k_window)
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path; the GPU file covers a GPU")
 
@@ -216,3 +217,18 @@ def test_ragged_sampling_draws_each_row_at_its_own_position(chunk):
     assert torch.equal(got, reference_ragged(FIRST, start, 12, SamplingParams(do_sample=True, seed=21, **settings)))
     same = loop.generate(FIRST, torch.full((BATCH,), 2), max_new_tokens=12, do_sample=True, seed=21, **settings)
     assert torch.equal(same, reference(FIRST, 2, 12, SamplingParams(do_sample=True, seed=21, **settings)))
+
+
+def test_chooser_draws_as_draw_filtered_with_its_settings_made_once():
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(0))
+    seq, pos = torch.arange(3), torch.tensor([5, 6, 7])
+    assert torch.equal(chooser(SamplingParams(), 300, "cpu")(logits, seq, pos), logits.argmax(-1))
+    params = SamplingParams(True, 0.7, 20, 0.9, seed=11)
+    choose = chooser(params, 300, "cpu")
+    use_k, use_p = filter_flags(20, 0.9)
+    ref = draw_filtered(logits, *filter_tensors(0.7, 20, 0.9, 300, "cpu"), seed_key(11, "cpu"), seq, pos,
+                        use_top_k=use_k, use_top_p=use_p, k_window=top_k_window(20))
+    assert torch.equal(choose(logits, seq, pos), ref)
+    assert torch.equal(choose(logits, seq, pos), sample_tokens(logits, params, seq, pos))
+    with pytest.raises(ConfigError, match="with a seed"):
+        chooser(SamplingParams(True), 300, "cpu")

@@ -46,8 +46,7 @@ from hipgraph_bridge.checks import check_token_ids
 from hipgraph_bridge.errors import ConfigError
 from hipgraph_bridge.generation import DeviceDecodeLoop
 from hipgraph_bridge.generation.device_loop import EosIds
-from hipgraph_bridge.generation.sampling import (SamplingParams, draw_filtered, filter_flags, filter_tensors,
-                                                 seed_key, top_k_window)
+from hipgraph_bridge.generation.sampling import SamplingParams, chooser
 
 __all__ = ["compile_config", "StaticCacheDecoder"]
 
@@ -345,16 +344,10 @@ class StaticCacheDecoder:
                                 past_key_values=slot.cache, use_cache=True).logits
             last = torch.full((b,), n - 1, dtype=torch.long, device=dev)
         rows = torch.arange(b, device=dev)
-        if params.do_sample:  # the settings on the device once: no host-to-device copy per token
-            settings = filter_tensors(params.temperature, params.top_k, params.top_p, logits.shape[-1], dev)
-            use_top_k, use_top_p = filter_flags(params.top_k, params.top_p)
-            key = seed_key(params.seed or 0, dev)
+        pick = chooser(params, logits.shape[-1], dev)  # the settings on the device once: no copy per token
 
         def choose(scores: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:  # the token after (b,) positions pos
-            if not params.do_sample:
-                return scores.argmax(dim=-1)
-            return draw_filtered(scores, *settings, key, rows, pos, use_top_k=use_top_k, use_top_p=use_top_p,
-                                 k_window=top_k_window(params.top_k))
+            return pick(scores, rows, pos)
 
         tok = choose(logits[:, -1, :], last)
         unfinished = torch.ones(b, dtype=torch.bool, device=dev)

@@ -45,6 +45,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -53,7 +54,7 @@ import torch
 from ..errors import ConfigError
 
 __all__ = ["FUSED_BY_DEFAULT", "WINDOW_MAX", "SamplingParams", "philox4x32", "uniform", "seed_key", "filter_logits",
-           "filter_tensors", "filter_scores", "filter_flags", "top_k_window", "draw", "draw_filtered", "sample_tokens",
+           "filter_tensors", "filter_scores", "filter_flags", "top_k_window", "draw", "draw_filtered", "chooser", "sample_tokens",
            "fused_unavailable_reason", "prepare_fused"]
 
 FUSED_BY_DEFAULT = True
@@ -390,18 +391,33 @@ def _same_device(caller: str, scores: torch.Tensor, key: torch.Tensor, sequence:
             raise ValueError(f"{caller}: expected {name} on the logits' device {scores.device}, got {t.device}")
 
 
+def chooser(params: SamplingParams, vocab: int,
+            device: torch.device | str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``params``' token choice as ``choose(logits, sequence, position)``: ``argmax`` without sampling, else
+    :func:`draw_filtered` from the stream of ``(params.seed, sequence[i], position[i])``. The settings are
+    put on ``device`` here, once: a call copies nothing from the host, so it can run inside a capture.
+    Long, ``(batch,)``. ``params`` must carry a seed when it samples (:meth:`SamplingParams.with_seed`)."""
+    if not params.do_sample:
+        return lambda logits, sequence, position: logits.argmax(dim=-1)
+    if params.seed is None:
+        raise ConfigError("chooser: expected params with a seed (SamplingParams.with_seed())")
+    settings = filter_tensors(params.temperature, params.top_k, params.top_p, vocab, device)
+    use_top_k, use_top_p = filter_flags(params.top_k, params.top_p)
+    key, window = seed_key(params.seed, device), top_k_window(params.top_k)
+
+    def choose(logits: torch.Tensor, sequence: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        return draw_filtered(logits, *settings, key, sequence, position, use_top_k=use_top_k, use_top_p=use_top_p,
+                             k_window=window)
+    return choose
+
+
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, sequence: torch.Tensor,
                   position: torch.Tensor) -> torch.Tensor:
     """One token per row of ``logits`` (``(batch, vocab)``): greedy, or drawn with ``params`` from the
     stream of ``(params.seed, sequence[i], position[i])`` (:func:`draw_filtered`). Long, ``(batch,)``."""
-    if not params.do_sample:
-        return logits.argmax(dim=-1)
-    if params.seed is None:
+    if params.do_sample and params.seed is None:
         raise ConfigError("sample_tokens: expected params with a seed (SamplingParams.with_seed())")
-    settings = filter_tensors(params.temperature, params.top_k, params.top_p, logits.shape[-1], logits.device)
-    use_top_k, use_top_p = filter_flags(params.top_k, params.top_p)
-    return draw_filtered(logits, *settings, params.seed, sequence, position, use_top_k=use_top_k,
-                         use_top_p=use_top_p, k_window=top_k_window(params.top_k))
+    return chooser(params, logits.shape[-1], logits.device)(logits, sequence, position)
 
 
 def draw(scores: torch.Tensor, seed: int | torch.Tensor, sequence: torch.Tensor, position: torch.Tensor, *,
