@@ -320,9 +320,9 @@ def _device_generate_case(own_topk_ms: float) -> dict:
             "new_tokens": 256}
     r = {k: dict(mode) for k in ("eager", "hand-written graph", "pool", *(f"device K={c}" for c in CHUNKS),
                                  *(f"device K={SAMPLE_K} {s}" for s in SAMPLING))}
-    step = {"loop_ms_per_token": 1.02, "own_step_graph_ms": 1.0, "ratio_to_own_step_graph": 1.02,
+    step = {"loop_ms_per_token": 1.02, "own_step_graph_ms": 1.0, "step_graph_ms": 1.0, "ratio_to_own_step_graph": 1.02,
             "ratio_to_step_graph": 1.02}
-    topk = {"loop_ms_per_token": 1.05, "own_step_graph_ms": own_topk_ms,
+    topk = {"loop_ms_per_token": 1.05, "own_step_graph_ms": own_topk_ms, "step_graph_ms": 1.0,
             "ratio_to_own_step_graph": 1.05 / own_topk_ms, "ratio_to_step_graph": 1.05}
     r["step_time"] = {"step_graph_ms": 1.0, "greedy": step, "sample t=0.8": step, "sample top-k 50 top-p 0.9": topk}
     return r
@@ -339,3 +339,14 @@ def test_device_generate_gives_no_verdict_where_the_loop_beats_its_own_step_grap
     assert verdict(1.0)["pass"] is False  # 1.05: over the target
     broken = verdict(1.4)  # the loop, which runs this graph's work and more, 25% faster: the graph is not trusted
     assert broken["pass"] is None and "NO VERDICT" in broken["note"]
+
+
+def test_gpu_time_per_replay_refuses_a_torch_without_a_sleep_kernel(monkeypatch: pytest.MonkeyPatch):
+    import gfxgraph.suites._common as common
+
+    monkeypatch.setattr(common, "gpu_sleep", lambda cycles: False)
+    monkeypatch.setattr(common.torch.cuda, "synchronize", lambda: None)
+    calls = []
+    with pytest.raises(RuntimeError, match="no GPU sleep kernel"):
+        common.gpu_ms_per_replay(lambda: calls.append(1), 100)
+    assert len(calls) == 8  # only the calls that measure how long queueing takes ran

@@ -45,12 +45,8 @@ def test_symbolic_helpers_on_plain_values():
 
 
 def test_gpu_sleep_says_false_where_torch_has_no_sleep_kernel(monkeypatch):
-    import torch
-
-    from hipgraph_bridge import _torch_compat
-
     calls = []
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: calls.append(cycles), raising=False)
-    assert _torch_compat.gpu_sleep(12.7) is True and calls == [12]
+    assert tc.gpu_sleep(12.7) is True and calls == [12]
     monkeypatch.delattr(torch.cuda, "_sleep")
-    assert _torch_compat.gpu_sleep(100) is False and calls == [12]
+    assert tc.gpu_sleep(100) is False and calls == [12]

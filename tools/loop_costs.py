@@ -1,7 +1,7 @@
 """What the device loop adds per iteration: the WHILE loop against the same body replayed as a plain graph.
 
 A diagnostic for issue 26 (not a suite: no targets). For bodies of ``n`` kernels, tiny ones (an in-place
-add on 1024 floats) and heavy ones (bf16 2048x2048 linear layers on one row, as a decode step's are), a
+add on 1024 floats) and heavy ones (bf16 2048x2048 linear layers on one row and a scale, two kernels each, as a decode step's are), a
 ``DeviceDecodeLoop`` over a step that runs the body and returns ``tokens + 1`` decodes 256 tokens in one
 launch (CUDA events, the median of 5 runs), and the same step plus the token's copy, captured in a plain
 graph, is replayed 256 times back to back behind a GPU sleep (the GPU's time, not the host's launches).
@@ -17,12 +17,11 @@ import argparse
 import json
 import os
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
-from hipgraph_bridge._torch_compat import gpu_sleep
+from gfxgraph.suites._common import gpu_ms_per_replay
 from hipgraph_bridge.generation.device_loop import DeviceDecodeLoop
 
 TOKENS = 256
@@ -83,22 +82,7 @@ def graph_us(run: Callable[[], None]) -> float:
     with torch.cuda.graph(g):
         run()
         tok.add_(1)
-    runs = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(8):
-            g.replay()
-        queue_s = (time.perf_counter() - t0) / 8 * TOKENS
-        torch.cuda.synchronize()
-        gpu_sleep(int((2 * queue_s + 0.005) * 2e9))  # ~2 GHz: a sleep longer than queueing the replays takes
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(TOKENS):
-            g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        runs.append(start.elapsed_time(end) * 1e3 / TOKENS)
-    return statistics.median(runs)
+    return statistics.median(gpu_ms_per_replay(g.replay, TOKENS) * 1e3 for _ in range(5))
 
 
 def main() -> None:

@@ -4,10 +4,9 @@ A diagnostic for issue 26 (not a suite: no targets). On a device_generate model,
 step graph (``device_generate.HandLoop``) is replayed ``--tokens`` times and ``StaticCacheDecoder
 (device_loop=256)`` decodes ``--tokens`` tokens in one launch, each under ``torch.profiler`` (CUPTI records
 the kernels a graph launches, and those of a conditional node's body). Per kernel name: launches and
-microseconds per token in each, and the difference, largest first. The loop's wall time per token over
-the graph's (device_generate's ``step_time``) is 16 us on the small model and 99 us on the 1.2B model at
-batch 1, where a synthetic body costs the loop 6-8 us (``tools/loop_costs.py``): this says which kernels
-the rest is in.
+microseconds per token in each, and the difference, largest first. device_generate's ``step_time``
+gives the loop's GPU time per token over its step graph's, ``tools/loop_costs.py`` what a synthetic body
+costs the loop; where a model's loop costs more than that, this says which kernels it is in.
 
     python tools/loop_profile.py --model llama-1.2b --out bench-out     # a GPU: JSON and a table
 """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import functools
 import json
 import os
 import platform
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from hipgraph_bridge._torch_compat import gpu_sleep
 
 
 def environment() -> dict[str, Any]:
@@ -58,6 +61,43 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     out = fn()
     torch.cuda.synchronize()
     return time.perf_counter() - t0, out
+
+
+def gpu_ms_per_replay(replay: Callable[[], Any], n: int) -> float:
+    """GPU milliseconds per call of ``replay`` (a graph's replay), ``n`` calls queued behind a GPU sleep that
+    outlasts queueing them (measured on 8 calls first), so that the CUDA events around them time the GPU's
+    work back to back, not the host's launches. ``RuntimeError`` where torch has no sleep kernel."""
+    t0 = time.perf_counter()
+    for _ in range(8):
+        replay()
+    queue_s = (time.perf_counter() - t0) / 8 * n
+    torch.cuda.synchronize()
+    _sleep(int((2 * queue_s + 0.005) * _cycles_per_s()))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def _sleep(cycles: int) -> None:
+    if not gpu_sleep(cycles):
+        raise RuntimeError("gpu_ms_per_replay: this torch has no GPU sleep kernel (torch.cuda._sleep), so the "
+                           "replays cannot be queued ahead of the GPU")
+
+
+@functools.cache
+def _cycles_per_s() -> float:
+    """The GPU's clock cycles per second as its sleep kernel counts them (timed once per process)."""
+    _sleep(1000)  # loaded
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    _sleep(20_000_000)
+    end.record()
+    torch.cuda.synchronize()
+    return 20_000_000 / (start.elapsed_time(end) / 1e3)
 
 
 def parser(description: str) -> argparse.ArgumentParser:
