@@ -51,9 +51,11 @@ _VOCAB_BLOCK = 2048  # tokens per step of a Gumbel-max program
 _DRAW_PROGRAMS = 64  # at most, per row: 16 at 32k, 63 at 128k; a larger vocabulary gives each program more
 _TOPK_SUB = 512  # tokens per step of a top-k program (a bitonic top-k of that many keys)
 _TOPK_PROGRAMS = 32  # at most, per row: 32 at 32k (1024 each), 32 at 128k (4096 each)
-# Eight warps: half the keys per thread of four, so half the unrolled code. In a decode step the model's
-# weights evict the kernel's code from L2; with four warps (and 1024-key steps) that cost 10 us more
-# per draw than back-to-back replays did, with eight 1-3 us (H200, 32k and 128k vocabularies).
+# Eight warps and 512-key steps: a quarter of the keys per thread of four warps and 1024-key steps, about
+# half the unrolled code. In the decode loop, where the step's weights pass through L2 between draws, the
+# four-warp kernel's draw cost 20 / 63 us more over the temperature draw's than it does alone (32k / 128k
+# vocabularies, batch 1, H200), this one 2 / 9 (benchmarks/results/device_generate.json and
+# diagnostics/sampling_costs.json, against the _eeadc77 files of both).
 _TOPK_WARPS = 8
 _ROW_BLOCK = 1024  # tokens per step of the pass over a row (ties beyond the window)
 
@@ -375,7 +377,7 @@ def topk_draw_fused(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
 
     The same tokens as :func:`.sampling.filter_scores` then :func:`.sampling.draw`, but where top-p's
     float32 running sums (added here in another order) lie within rounding of the cut. Cost: a
-    ``(batch,)`` counter zeroed, then one launch of ``batch * min(32, ceil(vocab / 512))`` programs,
+    ``(batch,)`` counter zeroed, then one launch of at most ``batch * 32`` programs (eight warps each),
     each a bitonic top-``window`` of its share of the row; the row's last program merges their lists
     (five pairwise bitonic merges, no sort) and filters and draws on the window. Tokens tied at the
     k-th score outside the window are counted and drawn from the programs' lists; only a share whose
