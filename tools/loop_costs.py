@@ -1,8 +1,8 @@
-"""What the device loop adds per iteration: the WHILE loop against the same body replayed as a plain graph.
+"""What the device loop adds per iteration: the WHILE loop against the same body replayed in a plain graph.
 
 A diagnostic for issue 26 (not a suite: no targets). For bodies of ``n`` kernels, tiny ones (an in-place
-add on 1024 floats) and heavy ones (bf16 2048x2048 linear layers on one row and a scale, two kernels each, as a decode step's are), a
-``DeviceDecodeLoop`` over a step that runs the body and returns ``tokens + 1`` decodes 256 tokens in one
+add on 1024 floats) and heavy ones (bf16 2048x2048 linear layers on one row and a scale, two kernels
+each, as a decode step's are), a ``DeviceDecodeLoop`` over a step that runs the body and returns ``tokens + 1`` decodes 256 tokens in one
 launch (CUDA events, the median of 5 runs), and the same step plus the token's copy, captured in a plain
 graph, is replayed 256 times back to back behind a GPU sleep (the GPU's time, not the host's launches).
 The difference per iteration is what the loop costs: the conditional node, the bookkeeping kernel, and
@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from gfxgraph.suites._common import gpu_ms_per_replay
+from gfxgraph.suites._common import capture_graph, gpu_ms_per_replay
 from hipgraph_bridge.generation.device_loop import DeviceDecodeLoop
 
 TOKENS = 256
@@ -72,16 +72,7 @@ def loop_us(run: Callable[[], None]) -> float:
 def graph_us(run: Callable[[], None]) -> float:
     """Microseconds per replay of ``run`` and a token copy in a plain graph, replayed behind a GPU sleep."""
     tok = torch.zeros(1, dtype=torch.long, device="cuda")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-        tok.add_(1)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run()
-        tok.add_(1)
+    g = capture_graph(lambda: (run(), tok.add_(1)))
     return statistics.median(gpu_ms_per_replay(g.replay, TOKENS) * 1e3 for _ in range(5))
 
 

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from gfxgraph.suites._common import capture_graph
+from gfxgraph.suites.llm_decode import build_model, make_step, new_cache, prefill
 from hipgraph_bridge.generation import sampling
 from hipgraph_bridge.generation.sampling import (draw, draw_filtered, filter_scores, filter_tensors, seed_key,
                                                  top_k_window)
@@ -60,8 +62,6 @@ def pieces(logits: torch.Tensor) -> dict[str, Callable[[], Any]]:
 def model_logits(name: str, steps: int = 64) -> torch.Tensor:
     """``(steps, vocab)`` logits of the device_generate suite's model ``name`` (random bf16 weights), one
     row per greedy decode step after a 16-token prompt: the data the loop's kernel meets there."""
-    from gfxgraph.suites.llm_decode import build_model, make_step, new_cache, prefill
-
     model = build_model(name)
     cache = new_cache(model, 1, 16 + steps + 8)
     prompt = torch.randint(0, model.config.vocab_size, (1, 16), device="cuda",
@@ -100,16 +100,7 @@ def tie_stats(logits: torch.Tensor, k: int = 50, window: int = 64, temperature: 
 
 def time_graph(fn: Callable[[], Any], replays: int) -> float:
     """Microseconds per replay of ``fn`` captured alone (median of 5 runs of ``replays`` replays)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(10):  # ten in one graph: the launch of the graph is not the piece's cost
-            fn()
+    g = capture_graph(fn, calls=10, warmups=2)  # ten in one graph: the launch of the graph is not the piece's cost
     runs = []
     for _ in range(5):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -63,6 +63,22 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t0, out
 
 
+def capture_graph(fn: Callable[[], Any], *, calls: int = 1, warmups: int = 1) -> torch.cuda.CUDAGraph:
+    """A raw ``torch.cuda.CUDAGraph`` of ``calls`` calls of ``fn``, after ``warmups`` eager calls on a side
+    stream (as PyTorch's own capture warms up): a baseline or a piece to time, no gfxgraph in it."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return g
+
+
 def gpu_ms_per_replay(replay: Callable[[], Any], n: int) -> float:
     """GPU milliseconds per call of ``replay`` (a graph's replay), ``n`` calls queued behind a GPU sleep that
     outlasts queueing them (measured on 8 calls first), so that the CUDA events around them time the GPU's

@@ -54,8 +54,8 @@ import torch
 from ..errors import ConfigError
 
 __all__ = ["FUSED_BY_DEFAULT", "WINDOW_MAX", "SamplingParams", "philox4x32", "uniform", "seed_key", "filter_logits",
-           "filter_tensors", "filter_scores", "filter_flags", "top_k_window", "draw", "draw_filtered", "chooser", "sample_tokens",
-           "fused_unavailable_reason", "prepare_fused"]
+           "filter_tensors", "filter_scores", "filter_flags", "top_k_window", "draw", "draw_filtered", "chooser",
+           "sample_tokens", "fused_unavailable_reason", "prepare_fused"]
 
 FUSED_BY_DEFAULT = True
 """What ``fused=None`` does on a GPU where triton imports (:func:`uniform`, :func:`draw`,
