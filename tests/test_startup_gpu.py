@@ -86,3 +86,43 @@ def test_one_frame_warms_every_size_from_one_trace_and_replays_eagers_results(tm
             torch.testing.assert_close(f(x[:n]), mlp(x[:n]), rtol=1e-4, atol=1e-4)
     assert counters["stats"]["unique_graphs"] == 1
     torch._dynamo.reset()
+
+
+_SAVED_CHILD = textwrap.dedent("""
+    import json, sys, torch
+    import gfxgraph
+    from torch._dynamo.utils import counters
+
+    def step(model, x):
+        return model(x)
+
+    mode, path = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32)).cuda().eval()
+    x = torch.randn(3, 32, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    with torch.no_grad():
+        f = (gfxgraph.cache.save_compiled(path, step, mlp, x) if mode == "save"
+             else gfxgraph.cache.load_compiled(path))
+        rep = gfxgraph.warmup(f, mlp, x, buckets=[1, 2, 4, 8], progress=False)
+        y = [f(mlp, x[:n]).float().cpu().flatten().tolist() for n in (1, 3)]
+        ref = [mlp(x[:n]).float().cpu().flatten().tolist() for n in (1, 3)]
+    print(json.dumps({"hits": gfxgraph.cache.hits(), "frames": int(counters["frames"]["total"]), "graphs": rep.graphs,
+                      "y": y, "ref": ref, "stats": gfxgraph.backend_stats()["graphed"]}))
+""")
+
+
+@pytest.mark.skipif(not __import__("hipgraph_bridge._torch_compat", fromlist=["x"]).has_aot_precompile,
+                    reason="this torch cannot save a compiled frame (aot_compile, torch >= 2.10)")
+def test_a_loaded_frame_traces_nothing_compiles_nothing_and_replays_the_saving_processs_results(tmp_path):
+    """save_compiled in one process, load_compiled in a second one (same inductor folder): the second runs no
+    dynamo, hits inductor's cache for every graph, captures the same buckets and replays the same numbers."""
+    path = str(tmp_path / "mlp.frame")
+    cold = run_child(_SAVED_CHILD, "save", path, str(tmp_path / "inductor"), timeout=400)
+    assert cold["graphs"] >= 4 and cold["stats"] == 1 and cold["hits"]["fx_graph_miss"] >= 1, cold
+    warm = run_child(_SAVED_CHILD, "load", path, str(tmp_path / "inductor"), timeout=400)
+    assert warm["frames"] == 0, "dynamo traced a frame in the process that loaded the saved one"
+    assert warm["hits"]["fx_graph_miss"] == 0 and warm["hits"]["fx_graph_hit"] >= 1, warm["hits"]
+    assert warm["graphs"] == cold["graphs"] and warm["stats"] == 1
+    assert warm["y"] == cold["y"]  # the same kernels, the same graphs: bit for bit
+    for got, want in zip(warm["y"], warm["ref"]):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-4)

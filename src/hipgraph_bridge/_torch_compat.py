@@ -44,6 +44,9 @@ op schemas                     ``OpOverload._schema``: which arguments     same
 fake tensors                   ``torch._subclasses.FakeTensorMode``: the   same
                                row analysis of a compiled graph
 lazy fx code                   ``_LazyGraphModule.real_recompile`` (2.3+)  same
+saved compiled frames          ``aot_compile``, ``SerializableCallable``,  same
+                               ``GraphPickler``, ``FakeTensorProp``,
+                               ``TracingContext`` (2.10+; before: refused)
 =============================  ==========================================  ======================================
 
 Function-local imports here are of ``torch._dynamo``/``torch._inductor``:
@@ -114,6 +117,14 @@ __all__ = [
     "save_cache_artifacts",
     "load_cache_artifacts",
     "compile_cache_counters",
+    "has_aot_precompile",
+    "make_serializable",
+    "aot_compile_frame",
+    "portable_guards",
+    "load_compiled_frame",
+    "pickle_graph",
+    "unpickle_graph",
+    "tracing_with",
     "maybe_mark_dynamic",
 ]
 
@@ -571,6 +582,109 @@ def load_cache_artifacts(blob: bytes) -> Any:
         raise NotImplementedError(f"torch {torch.__version__} has no torch.compiler.load_cache_artifacts "
                                   "(added in 2.7)")
     return torch.compiler.load_cache_artifacts(blob)
+
+
+# ------------------------------------------------------------------ compiled frames saved whole (start-up)
+# torch.compile(...).aot_compile((args, kwargs)) traces one frame with dynamo, ahead of its first call, and
+# its save_compiled_function / torch.compiler.load_compiled_function write and read the traced frame: its
+# bytecode, its guards and what the backend returned, which must implement torch's SerializableCallable
+# (torch._dynamo.aot_compile_types; the same API in 2.11 and 2.13). A process that loads it runs no dynamo.
+has_aot_precompile = hasattr(torch.compiler, "load_compiled_function") and hasattr(torch.compiler,
+                                                                                  "keep_portable_guards_unsafe")
+
+
+def _need_aot_precompile() -> None:
+    if not has_aot_precompile:
+        raise NotImplementedError(f"saving a compiled frame needs torch.compile(...).aot_compile and "
+                                  f"torch.compiler.load_compiled_function (torch >= 2.10); this is PyTorch "
+                                  f"{torch.__version__}: use gfxgraph.cache.save/load (inductor's caches) instead")
+
+
+def make_serializable(cls: type) -> type:
+    """Register ``cls`` (a class with torch's ``serialize_compile_artifacts`` / ``deserialize_compile_artifacts``
+    classmethods) as a virtual subclass of torch's ``SerializableCallable``, which aot_compile asks of what
+    a backend returns. Returns ``cls``."""
+    _need_aot_precompile()
+    from torch._dynamo.aot_compile_types import SerializableCallable  # heavy: imports dynamo
+
+    SerializableCallable.register(cls)
+    return cls
+
+
+def aot_compile_frame(compiled: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``compiled.aot_compile((args, kwargs))``: dynamo's trace of one whole frame (``fullgraph=True``)."""
+    _need_aot_precompile()
+    return compiled.aot_compile((args, kwargs))
+
+
+def portable_guards() -> Callable[..., Any]:
+    """``torch.compiler.keep_portable_guards_unsafe``: keep the guards a saved frame can check in another
+    process (tensor metadata, shapes, global state), drop those on object identity and globals."""
+    _need_aot_precompile()
+    return torch.compiler.keep_portable_guards_unsafe
+
+
+def load_compiled_frame(data: bytes, f_globals: dict[str, Any] | None) -> Any:
+    """``torch.compiler.load_compiled_function`` of the bytes ``save_compiled_function`` wrote."""
+    import io
+
+    _need_aot_precompile()
+    return torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=f_globals)
+
+
+def pickle_graph(gm: torch.fx.GraphModule) -> bytes:
+    """``gm`` with its placeholders' fake values (``example_value``), through torch's ``GraphPickler``
+    (every op allowed: the graph is read back by the same torch). Other node metadata is left out (it holds
+    stacks and, on placeholders, dynamo's real example tensors): :func:`unpickle_graph` rebuilds it."""
+    from torch.fx._graph_pickler import GraphPickler, Options  # heavy: only a saved frame gets here
+
+    saved = {n: n.meta for n in gm.graph.nodes}
+    gm_meta = gm.meta
+    try:
+        for n in gm.graph.nodes:
+            n.meta = {"example_value": _unviewed(saved[n]["example_value"])} if n.op == "placeholder" and \
+                "example_value" in saved[n] else {}
+        gm.meta = {}
+        return GraphPickler.dumps(gm, Options(ops_filter=None))
+    finally:
+        for n, meta in saved.items():
+            n.meta = meta
+        gm.meta = gm_meta
+
+
+def _unviewed(value: Any) -> Any:
+    """A fake tensor that is a view (its base does not pickle) as a fresh one of the same sizes and strides."""
+    if isinstance(value, torch.Tensor) and value._is_view() and getattr(value, "fake_mode", None) is not None:
+        with value.fake_mode:
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device,
+                                       requires_grad=value.requires_grad)
+    return value
+
+
+def unpickle_graph(data: bytes) -> tuple[torch.fx.GraphModule, Any]:
+    """The graph :func:`pickle_graph` wrote, in a new fake mode (with a shape environment) that holds its
+    placeholders' fake values; every node's ``example_value`` rebuilt by running the graph on them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx._graph_pickler import GraphPickler
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    gm = GraphPickler.loads(data, mode)
+    gm.recompile()
+    fakes = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+    for n in gm.graph.nodes:
+        if "val" in n.meta:
+            n.meta.setdefault("example_value", n.meta["val"])
+    return gm, mode
+
+
+def tracing_with(fake_mode: Any) -> Any:
+    """The tracing context dynamo holds while it calls a backend: one whose fake mode is ``fake_mode``."""
+    from torch._guards import TracingContext, tracing
+
+    return tracing(TracingContext(fake_mode))
 
 
 def compile_cache_counters() -> dict[str, int]:

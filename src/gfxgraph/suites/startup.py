@@ -13,12 +13,15 @@ call_overhead suite's capture part: transformers' StaticCache fixes its batch at
   sizes, largest first, three calls each (CUDA-graph trees warm a shape up, record it, replay it);
 * ``backend-regions``: ``backend`` with the decoder layers bound to one compile region
   (``gfxgraph.compile_regions(model.model.layers)``: dynamo and inductor see one layer, not 16) and
-  ``warmup(..., one_frame=True)`` (batch 1 served by the frame traced at 256).
+  ``warmup(..., one_frame=True)`` (batch 1 served by the frame traced at 256);
+* ``backend-saved``: the step (taking the model as an argument) traced once by
+  ``gfxgraph.cache.save_compiled`` in the cold process, which writes the frame to a file; the warm
+  and portable processes ``gfxgraph.cache.load_compiled`` it and run no dynamo. Then
+  ``gfxgraph.warmup`` over the 36 sizes, as for ``backend``.
 
 Phases: ``cold`` (empty inductor and triton cache folders), ``warm`` (a second process, the same
-folders kept), and for the backend ``portable`` (empty folders plus the file
-``gfxgraph.cache.save`` wrote in the cold process, loaded by ``gfxgraph.cache.load``: a new
-machine). Each child reports its times since its own start; "to first call" is process start to
+folders kept), and for ``backend`` and ``backend-saved`` ``portable`` (empty folders plus the files
+the cold process wrote, loaded by ``gfxgraph.cache.load`` and ``load_compiled``: a new machine). Each child reports its times since its own start; "to first call" is process start to
 the first graphed call's result on the host, minus building the model (weights are not
 gfxgraph's to load), and its breakdown: imports, warm-up (compile and capture; the compile
 share as the backend counts it), graph memory (graph pools, from the allocator), inductor's
@@ -44,8 +47,14 @@ from gfxgraph.suites._common import child_env, figure, parser, write
 from hipgraph_bridge._torch_compat import compile_profile, compile_time_seconds, maybe_mark_dynamic
 
 BUCKETS_36 = sorted([1, 2, 4, 8, 12, *range(16, 257, 8)])
-CONTENDERS = ("pool", "backend", "reduce-overhead", "backend-regions")
+CONTENDERS = ("pool", "backend", "reduce-overhead", "backend-regions", "backend-saved")
+PORTABLE = ("backend", "backend-saved")  # the contenders with a portable phase (files from the cold process)
 FIRST_BATCH = 8  # the first call's batch size: a bucket every contender warmed (reduce-overhead records sizes)
+
+
+def decode_step(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The decode-shaped step with the model as an argument (a saved frame holds no module)."""
+    return model(input_ids=ids, position_ids=pos, use_cache=False).logits[:, -1, :]
 
 
 def child(contender: str, phase: str, blob: str, spawned: float) -> dict[str, Any]:
@@ -62,7 +71,7 @@ def child(contender: str, phase: str, blob: str, spawned: float) -> dict[str, An
         lg = logging.getLogger(name)
         lg.addHandler(bypassed)
         lg.setLevel(min(lg.getEffectiveLevel(), logging.INFO))
-    if contender == "backend" and phase == "portable":
+    if contender in PORTABLE and phase == "portable":
         out["loaded"] = gfxgraph.cache.load(blob)
     t = time.time()
     model = build_llama(CONFIGS["llama-1.2b"])
@@ -88,6 +97,20 @@ def child(contender: str, phase: str, blob: str, spawned: float) -> dict[str, An
             run = torch.compile(step, backend="gfxgraph")
             rep = gfxgraph.warmup(run, *example, buckets=BUCKETS_36, progress=False, one_frame=fast)
             out.update(graphs=rep.graphs, compile_s=rep.compile_seconds)
+        elif contender == "backend-saved":
+            frame = blob + ".frame"
+            t_load = time.time()
+            if phase == "cold":
+                saved = gfxgraph.cache.save_compiled(frame, decode_step, model, ids, pos)  # traced at batch 8
+            else:
+                saved = gfxgraph.cache.load_compiled(frame)
+            out["trace_or_load_s"] = time.time() - t_load  # dynamo's trace and the write, or the read
+
+            def run(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+                return saved(model, ids, pos)
+
+            rep = gfxgraph.warmup(saved, model, *example, buckets=BUCKETS_36, progress=False)
+            out.update(graphs=rep.graphs, compile_s=rep.compile_seconds)
         else:
             run = torch.compile(step, mode="reduce-overhead")
             for i, b in enumerate(reversed(BUCKETS_36)):
@@ -110,7 +133,7 @@ def child(contender: str, phase: str, blob: str, spawned: float) -> dict[str, An
     out["cache_bypass_reasons"] = sorted(set(bypassed.reasons))
     out.update(tokens=tokens, served_s=served - spawned, to_first_call_s=served - spawned - out["model_s"],
                graph_bytes=gfxgraph.graph_pool_bytes(), cache=gfxgraph.cache.hits())
-    if contender == "backend" and phase == "cold":
+    if contender in PORTABLE and phase == "cold":
         out["saved"] = gfxgraph.cache.save(blob)
     return out
 
@@ -128,13 +151,14 @@ class _CacheBypasses(logging.Handler):
             self.reasons.append(msg[:300])
 
 
-def _spawn(contender: str, phase: str, folder: str, blob: str) -> dict[str, Any]:
+def _spawn(contender: str, phase: str, folder: str, blob: str, profile: str | None = None) -> dict[str, Any]:
     env = child_env(TORCHINDUCTOR_CACHE_DIR=os.path.join(folder, "inductor"),
                     TRITON_CACHE_DIR=os.path.join(folder, "triton"))
+    profiler = ["-m", "cProfile", "-o", profile] if profile else []
     with tempfile.NamedTemporaryFile("r", suffix=".json") as result:
         t0 = time.time()
         try:
-            done = subprocess.run([sys.executable, "-m", "gfxgraph.suites.startup", "--child", contender,
+            done = subprocess.run([sys.executable, *profiler, "-m", "gfxgraph.suites.startup", "--child", contender,
                                    "--phase", phase, "--blob", blob, "--result", result.name, "--spawned", repr(t0)],
                                   env=env, capture_output=True, text=True, timeout=900)
         except subprocess.TimeoutExpired:  # the other runs' results still get written
@@ -152,6 +176,9 @@ def main() -> None:
     for name in ("--child", "--phase", "--blob", "--result", "--spawned"):  # the parent's, for its children
         p.add_argument(name, default=None, help=argparse.SUPPRESS)
     p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--profile", action="store_true",
+                   help="after its phases, run each contender's warm process once more under cProfile and keep "
+                        "the functions with the most cumulative time (a diagnostic: no figure comes from it)")
     args = p.parse_args()
     if args.child:
         res = child(args.child, args.phase, args.blob, float(args.spawned))
@@ -161,15 +188,31 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("startup: needs a CUDA or ROCm GPU")
     runs: dict[str, dict[str, Any]] = {}
+    profiles: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        blob = os.path.join(tmp, "gfxgraph-compile-cache.bin")
         for c in args.contenders.split(","):
             folder = os.path.join(tmp, c)
-            phases = ("cold", "warm", "portable") if c == "backend" else ("cold", "warm")
+            phases = ("cold", "warm", "portable") if c in PORTABLE else ("cold", "warm")
+            files = os.path.join(tmp, f"{c}-compile-cache.bin")  # the cold process writes, the others read
             for ph in phases:
                 runs[f"{c} {ph}"] = _spawn(c, ph, os.path.join(tmp, f"{c}-new") if ph == "portable" else folder,
-                                           blob)
-    write(args.out, "startup", figures(runs), {"method": __doc__, "results": runs})
+                                           files)
+            if args.profile:
+                stats = os.path.join(tmp, f"{c}.prof")
+                got = _spawn(c, "warm", folder, files, profile=stats)
+                profiles[c] = {"to_first_call_s (profiled)": got.get("to_first_call_s"), "error": got.get("error"),
+                               "top": _top_functions(stats) if os.path.exists(stats) else []}
+    write(args.out, "startup", figures(runs), {"method": __doc__, "results": runs, "warm_profiles": profiles})
+
+
+def _top_functions(stats_file: str, n: int = 45) -> list[str]:
+    """The ``n`` functions with the most cumulative time in a cProfile file, one line each."""
+    import pstats
+
+    st = pstats.Stats(stats_file)
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][3])[:n]  # type: ignore[attr-defined]
+    return [f"{ct:8.3f} s cum {tt:8.3f} s own {nc:>7} calls  {file}:{line}({fn})"
+            for (file, line, fn), (_, nc, tt, ct, _) in rows]
 
 
 def figures(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -183,14 +226,16 @@ def figures(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         figs.append(figure(f"{name}: process start to first graphed call, model build excluded",
                            r["to_first_call_s"], None, None, "s",
                            note=f"imports {r['import_s']:.1f} s, warm-up {r['warmup_s']:.1f} s"
-                                f" (compile {r.get('compile_s', float('nan')):.1f} s), graph memory "
+                                f" (compile {r.get('compile_s', float('nan')):.1f} s)"
+                                + (f", frame traced or loaded {r['trace_or_load_s']:.1f} s" if "trace_or_load_s" in r else "")
+                                + ", graph memory "
                                 f"{r['graph_bytes'] / 2**20:.0f} MiB, fx-graph cache hits/misses "
                                 f"{r['cache']['fx_graph_hit']}/{r['cache']['fx_graph_miss']}"
                                 + "".join(f", {k} {v:.1f} s" for k, v in r.get("breakdown_s", {}).items()
                                           if v is not None)))
     ok = {k: r for k, r in runs.items() if "error" not in r}
     ro = ok.get("reduce-overhead warm")
-    for c in ("backend", "backend-regions"):
+    for c in ("backend", "backend-regions", "backend-saved"):
         warm = ok.get(f"{c} warm")
         if warm is None:
             continue

@@ -67,7 +67,7 @@ from .options import BackendOptions
 from .piecewise import PiecewiseSubgraph, piecewise_subgraph
 from .subgraph import CompiledSubgraph, SubgraphState, compile_counts, live_subgraphs
 
-__all__ = ["BACKEND_NAMES", "gfxgraph_backend", "Backend", "backend", "register", "backend_stats",
+__all__ = ["BACKEND_NAMES", "gfxgraph_backend", "Backend", "backend", "serve", "register", "backend_stats",
            "piecewise_stats", "trees_stats", "compiled_subgraphs", "reset_backend"]
 
 BACKEND_NAMES = ("gfxgraph", "hipgraph_bridge")
@@ -88,10 +88,10 @@ def gfxgraph_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         raise TypeError(f"torch.compile(backend='gfxgraph', options=...): expected a dict of option names to "
                         f"values, got {type(options).__name__}; known options: {', '.join(BackendOptions.known())}")
     opts = BackendOptions.from_mapping({**(options or {}), **option_kwargs}, mode=mode)
-    return _serve(gm, example_inputs, opts)
+    return serve(gm, example_inputs, opts)
 
 
-def _serve(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions) -> Callable[..., Any]:
+def serve(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions) -> Callable[..., Any]:
     """The function dynamo calls for ``gm``: a piecewise frame or one compiled subgraph."""
     sub: Any = (piecewise_subgraph(gm, list(example_inputs), opts) if opts.piecewise
                 else CompiledSubgraph(gm, list(example_inputs), opts))
@@ -134,7 +134,7 @@ class Backend:
                 raise TypeError(f"torch.compile(backend=gfxgraph.backend(...), options=...): expected a dict of "
                                 f"option names to values, got {type(options).__name__}")
             opts = BackendOptions.from_mapping({**self._given, **(options or {})}, mode=mode)
-        return _serve(gm, example_inputs, opts)
+        return serve(gm, example_inputs, opts)
 
     def reset(self) -> None:
         """``torch._dynamo.reset()`` calls this: release the graphs of every live subgraph."""

@@ -39,7 +39,7 @@ from ..graph.buckets import default_buckets, validate_buckets
 from ..graph.capture import frozen_gc
 from ..log import logger
 
-__all__ = ["WarmupReport", "warmup", "resized"]
+__all__ = ["WarmupReport", "warmup", "resized", "batched_leaves", "example_rows"]
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ def _warm_pool(pool: ShapeBucketPool, args: tuple[Any, ...], kwargs: dict[str, A
 
 def _warm_compiled(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], sizes: list[int],
                    batch_dim: int, static: set[int | str], progress: bool, one_frame: bool) -> WarmupReport:
-    rows = _example_rows(args, kwargs, batch_dim, static)
+    rows = example_rows(args, kwargs, batch_dim, static)
     oblivious = size_oblivious_tracing() if one_frame else None  # raises before any call where torch lacks it
     before = backend_stats()
     t0 = time.perf_counter()
@@ -134,7 +134,7 @@ def _warm_compiled(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
         for i, b in enumerate(tqdm(sizes, desc="gfxgraph warm-up", unit="size", leave=False,
                                    disable=not (progress and len(sizes) > 1))):
             call_args, call_kwargs = resized(args, kwargs, b, rows=rows, batch_dim=batch_dim, static=static)
-            if i == 0 and b > 1:
+            if i == 0 and b > 1 and not getattr(fn, "traced_ahead", False):  # a loaded frame's guards refuse marks
                 for t in _batched(call_args, call_kwargs, b, batch_dim, static):
                     maybe_mark_dynamic(t, batch_dim)
             lazy = _lazy_frames()
@@ -179,7 +179,7 @@ def _named(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[int | st
     return [*enumerate(args), *kwargs.items()]
 
 
-def _example_rows(args: tuple[Any, ...], kwargs: dict[str, Any], batch_dim: int, static: set[int | str]) -> int:
+def example_rows(args: tuple[Any, ...], kwargs: dict[str, Any], batch_dim: int, static: set[int | str]) -> int:
     """The example's batch size: the first tensor's size in ``batch_dim`` outside ``static``."""
     for name, value in _named(args, kwargs):
         if name in static:
@@ -195,15 +195,16 @@ def _example_rows(args: tuple[Any, ...], kwargs: dict[str, Any], batch_dim: int,
 
 
 def resized(args: tuple[Any, ...], kwargs: dict[str, Any], size: int, *, rows: int, batch_dim: int = 0,
-            static: Collection[int | str] = ()) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            static: Collection[int | str] = (), fresh: bool = False) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The example's arguments at ``size`` rows: each tensor with ``rows`` rows in ``batch_dim`` (outside
-    ``static``) has its rows repeated cyclically to ``size``; everything else is passed as it is."""
+    ``static``) has its rows repeated cyclically to ``size``; everything else is passed as it is.
+    ``fresh``: new tensors at ``size == rows`` too (the caller's own are not returned)."""
     index: dict[torch.device, torch.Tensor] = {}
 
     def grow(leaf: Any) -> Any:
         if not (isinstance(leaf, torch.Tensor) and leaf.dim() > batch_dim and leaf.shape[batch_dim] == rows):
             return leaf
-        if size == rows:
+        if size == rows and not fresh:
             return leaf
         idx = index.get(leaf.device)
         if idx is None:
@@ -219,6 +220,14 @@ def _batched(args: tuple[Any, ...], kwargs: dict[str, Any], size: int, batch_dim
     return [leaf for name, v in _named(args, kwargs) if name not in static
             for leaf in pytree.tree_leaves(v)
             if isinstance(leaf, torch.Tensor) and leaf.dim() > batch_dim and leaf.shape[batch_dim] == size]
+
+
+def batched_leaves(args: tuple[Any, ...], kwargs: dict[str, Any], batch_dim: int,
+                   static: Collection[int | str]) -> list[torch.Tensor]:
+    """The example's tensors that carry its batch: those with the example's batch size in ``batch_dim``
+    outside ``static`` (``TypeError`` when there is none)."""
+    static = set(static)
+    return _batched(args, kwargs, example_rows(args, kwargs, batch_dim, static), batch_dim, static)
 
 
 def _where(name: int | str) -> str:

@@ -1,0 +1,209 @@
+"""A compiled function saved whole: dynamo's trace of its frame and the gfxgraph backend's options in one file.
+
+A warm start through PyTorch's caches (:mod:`.cache`) skips inductor's compile,
+but dynamo still traces the Python in every new process: on the startup suite's
+1.2B Llama decode step that is most of a warm start (8 s of 18 s). PyTorch can
+trace a whole frame ahead of its first call and save it (``aot_compile``: the
+frame's bytecode, its guards, and what the backend returned); a process that
+loads the file runs no dynamo at all. :func:`save_compiled` traces ``fn`` that
+way through the gfxgraph backend and writes the file; :func:`load_compiled`
+reads it back. What the file holds for the backend is the FX graph dynamo
+traced and the backend's options, not compiled kernels: at its first call the
+loaded function compiles the graph with inductor, whose FX graph and
+AOTAutograd caches (local, or :func:`.cache.load` on a new machine) then hit,
+and captures the batch buckets as any compiled function does (warm them all
+with :func:`~hipgraph_bridge.startup.warmup`).
+
+What it asks of ``fn`` (PyTorch's rules for a saved frame):
+
+* one frame, no graph break (``fullgraph=True``);
+* the modules it runs passed as arguments, not held in a closure or a global:
+  the file holds no weights, and torch refuses to save a module;
+* the batch dimension is traced symbolic (the example's batched tensors are
+  marked dynamic), by default without dynamo's 0/1 specialisation
+  (``one_frame=True``, as :func:`~hipgraph_bridge.startup.warmup` explains), so
+  the one frame serves every batch size from 1 up.
+
+What it risks: the saved guards are the portable ones
+(``torch.compiler.keep_portable_guards_unsafe``): tensor metadata (the
+arguments' and the parameters' shapes, dtypes, devices), symbolic shapes and
+global state (grad mode, autocast). Checks of object identity, Python values
+read from a module's attributes or from globals are dropped: a loaded function
+called with a model that differs in such a value (a config flag read in
+``forward``) runs the code traced for the saved one. A call whose tensors fail
+the kept guards raises PyTorch's ``RuntimeError`` (its message first).
+Needs torch >= 2.10 (``NotImplementedError`` before).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import tempfile
+import threading
+from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._torch_compat import (aot_compile_frame, has_aot_precompile, load_compiled_frame, make_serializable,
+                             maybe_mark_dynamic, pickle_graph, portable_guards, size_oblivious_tracing,
+                             tracing_with, unpickle_graph)
+from ..compile.backend import serve
+from ..compile.options import BackendOptions
+from ..errors import ConfigError
+from ..log import logger
+from .warmup import batched_leaves, example_rows, resized
+
+__all__ = ["save_compiled", "load_compiled", "SavedFrame", "CompiledFrame"]
+
+_FORMAT = 1  # the layout of SavedFrame's bytes
+
+
+class SavedFrame:
+    """What the backend hands dynamo for a frame that is saved: the traced FX graph and the options.
+
+    It compiles and serves the graph at its first call (:func:`~hipgraph_bridge.compile.backend.serve`,
+    as the backend does when dynamo calls it), under a tracing context holding the graph's own fake
+    values, so inductor's and AOTAutograd's cache keys are those of the process that saved it.
+    """
+
+    def __init__(self, graph: bytes, options: Mapping[str, Any]) -> None:
+        self._graph = graph
+        self._options = dict(options)
+        self._run: Callable[..., Any] | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def serialize_compile_artifacts(cls, fn: SavedFrame) -> bytes:
+        return pickle.dumps({"format": _FORMAT, "torch": torch.__version__, "graph": fn._graph,
+                             "options": fn._options})
+
+    @classmethod
+    def deserialize_compile_artifacts(cls, data: bytes) -> SavedFrame:
+        state = pickle.loads(data)
+        if state.get("format") != _FORMAT or state.get("torch") != torch.__version__:
+            raise RuntimeError(f"gfxgraph: this compiled frame was saved by PyTorch {state.get('torch')} (format "
+                               f"{state.get('format')}); this is PyTorch {torch.__version__} (format {_FORMAT}): "
+                               f"save it again with gfxgraph.cache.save_compiled in this environment")
+        return cls(state["graph"], state["options"])
+
+    def __call__(self, *args: Any) -> Any:
+        run = self._run
+        if run is None:
+            run = self._build(args)
+        return run(*args)
+
+    def _build(self, args: tuple[Any, ...]) -> Callable[..., Any]:
+        with self._lock:
+            if self._run is None:
+                gm, fake_mode = unpickle_graph(self._graph)
+                opts = BackendOptions.from_mapping(self._options)
+                with tracing_with(fake_mode):  # as dynamo calls a backend: its fake mode in the context
+                    self._run = serve(gm, list(args), opts)
+            return self._run
+
+
+def _saving_backend(options: Mapping[str, Any]) -> Callable[..., SavedFrame]:
+    make_serializable(SavedFrame)
+
+    def gfxgraph_saved(gm: torch.fx.GraphModule, example_inputs: Any, **_: Any) -> SavedFrame:
+        return SavedFrame(pickle_graph(gm), options)  # pickled before anything compiles or changes it
+
+    gfxgraph_saved.compiler_name = "gfxgraph"  # type: ignore[attr-defined]
+    return gfxgraph_saved
+
+
+def save_compiled(path: str | os.PathLike[str], fn: Callable[..., Any], *example_args: Any,
+                  options: Mapping[str, Any] | None = None, batch_dim: int = 0,
+                  static_args: Collection[int | str] = (), one_frame: bool = True,
+                  **example_kwargs: Any) -> Callable[..., Any]:
+    """Trace ``fn`` once on the example with the gfxgraph backend, write the frame to ``path``, return it.
+
+    Returns the function to call in this process (the same one :func:`load_compiled` gives in the next:
+    it compiles at its first call, then serves graphs). ``options``: the backend's options
+    (``torch.compile(..., options=...)``), checked now; a ``process_group`` cannot be saved
+    (``ConfigError``). ``batch_dim``/``static_args``: where the example's tensors carry the batch (marked
+    dynamic before the trace). ``one_frame``: trace without the 0/1 specialisation so batch 1 is served
+    too (module docstring); ``False`` keeps dynamo's default, and then a call with batch 1 fails the
+    guards. Torch's own errors pass through (a graph break: ``fullgraph`` is required; a module held in
+    a closure: it must be an argument). The file is written whole or not at all.
+    """
+    given = dict(options or {})
+    opts = BackendOptions.from_mapping(given)  # ConfigError now, not at the next process's first call
+    if opts.process_group is not None:
+        raise ConfigError("options['process_group']: a saved frame cannot hold a process group (it belongs to "
+                          "this process); compile distributed steps with torch.compile")
+    if not isinstance(one_frame, bool):
+        raise ConfigError(f"one_frame: expected a bool, got {one_frame!r}")
+    if not has_aot_precompile:
+        raise NotImplementedError(f"gfxgraph.cache.save_compiled needs torch >= 2.10 (aot_compile); this is "
+                                  f"PyTorch {torch.__version__}: use gfxgraph.cache.save/load instead")
+    compiled = torch.compile(fn, backend=_saving_backend(given), fullgraph=True,
+                             options={"guard_filter_fn": portable_guards()})
+    static = set(static_args)
+    rows = example_rows(example_args, example_kwargs, batch_dim, static)
+    # copies of the example's batched tensors, marked dynamic (a mark left on the caller's tensors would fail
+    # the saved guards at their next call); at 2 rows or more: a symbolic size traced at 1 gets the range [1, 2]
+    example_args, example_kwargs = resized(example_args, example_kwargs, max(rows, 2), rows=rows,
+                                           batch_dim=batch_dim, static=static, fresh=True)
+    for t in batched_leaves(example_args, example_kwargs, batch_dim, static):
+        maybe_mark_dynamic(t, batch_dim)
+    with size_oblivious_tracing() if one_frame else contextlib.nullcontext():
+        frame = aot_compile_frame(compiled, example_args, example_kwargs)
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent or ".")
+    os.close(fd)
+    try:
+        frame.save_compiled_function(tmp)
+        data = Path(tmp).read_bytes()
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    logger.info("gfxgraph: saved the compiled frame of %s to %s (%d bytes)", getattr(fn, "__qualname__", fn),
+                target, len(data))
+    return CompiledFrame(load_compiled_frame(data, _globals_of(fn)), str(target))
+
+
+def load_compiled(path: str | os.PathLike[str], *, f_globals: dict[str, Any] | None = None) -> Callable[..., Any]:
+    """The function :func:`save_compiled` wrote to ``path``; no dynamo runs, now or at its calls.
+
+    ``f_globals``: globals to add to those the file holds (torch saves the ones the traced code reads;
+    none are needed for a plain step). Raises
+    ``FileNotFoundError``, ``NotImplementedError`` on a torch without saved frames, and ``RuntimeError``
+    for a file saved by another torch version.
+    """
+    data = Path(path).read_bytes()
+    return CompiledFrame(load_compiled_frame(data, f_globals), os.fspath(path))
+
+
+class CompiledFrame:
+    """A saved frame ready to call: checks the saved guards, then runs the frame's code (no dynamo)."""
+
+    traced_ahead = True  # gfxgraph.warmup marks no tensor dynamic for it (its guards would refuse the mark)
+
+    def __init__(self, frame: Callable[..., Any], path: str) -> None:
+        self._frame = frame
+        self.path = path
+        self.__name__ = f"saved frame {Path(path).name}"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self._frame(*args, **kwargs)
+        except RuntimeError as exc:
+            if "GuardManager check failed" in str(exc):  # torch's message first, then what it means here
+                raise RuntimeError(f"{exc}\ngfxgraph: this call does not match the frame saved in {self.path} "
+                                   f"(a tensor's shape, dtype or device, grad mode, or batch 1 for a frame saved "
+                                   f"with one_frame=False); save it again for such calls") from None
+            raise
+
+    def __repr__(self) -> str:
+        return f"<gfxgraph CompiledFrame from {self.path}>"
+
+
+def _globals_of(fn: Callable[..., Any]) -> dict[str, Any] | None:
+    g = getattr(fn, "__globals__", None)
+    return g if isinstance(g, dict) else None
