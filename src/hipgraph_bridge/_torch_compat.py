@@ -120,7 +120,6 @@ __all__ = [
     "has_aot_precompile",
     "make_serializable",
     "aot_compile_frame",
-    "portable_guards",
     "load_compiled_frame",
     "pickle_graph",
     "unpickle_graph",
@@ -611,17 +610,23 @@ def make_serializable(cls: type) -> type:
     return cls
 
 
-def aot_compile_frame(compiled: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``compiled.aot_compile((args, kwargs))``: dynamo's trace of one whole frame (``fullgraph=True``)."""
+def aot_compile_frame(fn: Callable[..., Any], backend: Callable[..., Any], args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> Any:
+    """``torch.compile(fn, backend=backend, fullgraph=True).aot_compile((args, kwargs))`` with the portable
+    guards: dynamo's trace of one whole frame. torch 2.11 gives the compiled function its ``aot_compile``
+    only under ``torch._dynamo.config.enable_aot_compile`` (2.13 always), so the flag is set for the call."""
     _need_aot_precompile()
+    import torch._dynamo  # heavy
+
+    flag = {"enable_aot_compile": True} if hasattr(torch._dynamo.config, "enable_aot_compile") else {}
+    with torch._dynamo.config.patch(**flag):
+        compiled = torch.compile(fn, backend=backend, fullgraph=True,
+                                 options={"guard_filter_fn": torch.compiler.keep_portable_guards_unsafe})
+    if not hasattr(compiled, "aot_compile"):
+        raise NotImplementedError(f"PyTorch {torch.__version__}: torch.compile gave no aot_compile for "
+                                  f"{type(fn).__name__}; save a plain function (a module's forward as a function "
+                                  f"taking the module)")
     return compiled.aot_compile((args, kwargs))
-
-
-def portable_guards() -> Callable[..., Any]:
-    """``torch.compiler.keep_portable_guards_unsafe``: keep the guards a saved frame can check in another
-    process (tensor metadata, shapes, global state), drop those on object identity and globals."""
-    _need_aot_precompile()
-    return torch.compiler.keep_portable_guards_unsafe
 
 
 def load_compiled_frame(data: bytes, f_globals: dict[str, Any] | None) -> Any:

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from .._torch_compat import (aot_compile_frame, has_aot_precompile, load_compiled_frame, make_serializable,
-                             maybe_mark_dynamic, pickle_graph, portable_guards, size_oblivious_tracing,
+                             maybe_mark_dynamic, pickle_graph, size_oblivious_tracing,
                              tracing_with, unpickle_graph)
 from ..compile.backend import serve
 from ..compile.options import BackendOptions
@@ -141,8 +141,6 @@ def save_compiled(path: str | os.PathLike[str], fn: Callable[..., Any], *example
     if not has_aot_precompile:
         raise NotImplementedError(f"gfxgraph.cache.save_compiled needs torch >= 2.10 (aot_compile); this is "
                                   f"PyTorch {torch.__version__}: use gfxgraph.cache.save/load instead")
-    compiled = torch.compile(fn, backend=_saving_backend(given), fullgraph=True,
-                             options={"guard_filter_fn": portable_guards()})
     static = set(static_args)
     rows = example_rows(example_args, example_kwargs, batch_dim, static)
     # copies of the example's batched tensors, marked dynamic (a mark left on the caller's tensors would fail
@@ -152,7 +150,7 @@ def save_compiled(path: str | os.PathLike[str], fn: Callable[..., Any], *example
     for t in batched_leaves(example_args, example_kwargs, batch_dim, static):
         maybe_mark_dynamic(t, batch_dim)
     with size_oblivious_tracing() if one_frame else contextlib.nullcontext():
-        frame = aot_compile_frame(compiled, example_args, example_kwargs)
+        frame = aot_compile_frame(fn, _saving_backend(given), example_args, example_kwargs)
     target = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent or ".")
     os.close(fd)
