@@ -93,19 +93,20 @@ _SAVED_CHILD = textwrap.dedent("""
     import gfxgraph
     from torch._dynamo.utils import counters
 
-    def step(model, x):
-        return model(x)
+    def step(model, x, shift):  # two batched inputs, as a decode step's ids and positions
+        return model(x) + shift
 
     mode, path = sys.argv[1], sys.argv[2]
     torch.manual_seed(0)
     mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32)).cuda().eval()
     x = torch.randn(3, 32, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     with torch.no_grad():
-        f = (gfxgraph.cache.save_compiled(path, step, mlp, x) if mode == "save"
+        shift = torch.arange(3, device="cuda", dtype=torch.float32).view(3, 1)
+        f = (gfxgraph.cache.save_compiled(path, step, mlp, x, shift) if mode == "save"
              else gfxgraph.cache.load_compiled(path))
-        rep = gfxgraph.warmup(f, mlp, x, buckets=[1, 2, 4, 8], progress=False)
-        y = [f(mlp, x[:n]).float().cpu().flatten().tolist() for n in (1, 3)]
-        ref = [mlp(x[:n]).float().cpu().flatten().tolist() for n in (1, 3)]
+        rep = gfxgraph.warmup(f, mlp, x, shift, buckets=[1, 2, 4, 8], progress=False)
+        y = [f(mlp, x[:n], shift[:n]).float().cpu().flatten().tolist() for n in (1, 3)]
+        ref = [step(mlp, x[:n], shift[:n]).float().cpu().flatten().tolist() for n in (1, 3)]
     print(json.dumps({"hits": gfxgraph.cache.hits(), "frames": int(counters["frames"]["total"]), "graphs": rep.graphs,
                       "y": y, "ref": ref, "stats": gfxgraph.backend_stats()["graphed"]}))
 """)

@@ -91,10 +91,18 @@ def gfxgraph_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     return serve(gm, example_inputs, opts)
 
 
-def serve(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions) -> Callable[..., Any]:
-    """The function dynamo calls for ``gm``: a piecewise frame or one compiled subgraph."""
+def serve(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, *,
+          compile_inputs: Sequence[Any] | None = None) -> Callable[..., Any]:
+    """The function dynamo calls for ``gm``: a piecewise frame or one compiled subgraph.
+
+    ``compile_inputs`` (not with ``piecewise``): what inductor compiles ``gm`` for, where the real
+    ``example_inputs`` do not say which sizes are symbolic (a saved frame's graph: its fake values)."""
+    if compile_inputs is not None and opts.piecewise:
+        raise NotImplementedError("compile_inputs: the piecewise backend compiles its pieces from the graph's "
+                                  "own fake values")
     sub: Any = (piecewise_subgraph(gm, list(example_inputs), opts) if opts.piecewise
-                else CompiledSubgraph(gm, list(example_inputs), opts))
+                else CompiledSubgraph(gm, list(example_inputs), opts,
+                                      compile_inputs=None if compile_inputs is None else list(compile_inputs)))
 
     if sub.role == "full":  # a frame with splitting ops served whole (decode): its calls are counted
         def run(*args: Any) -> Any:

@@ -82,11 +82,15 @@ class CompiledSubgraph(FallsBack):
     """
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], opts: BackendOptions, *,
-                 compiled: Callable[..., Any] | None = None, role: str = "whole") -> None:
+                 compiled: Callable[..., Any] | None = None, role: str = "whole",
+                 compile_inputs: list[Any] | None = None) -> None:
         """``compiled``: the function to serve instead of compiling ``gm`` (the piecewise backend's
         split module, run as one full graph); ``role``: ``"whole"``, or ``"full"`` for a graph that
-        holds splitting ops (decode frames of a piecewise compile), shown in the backend's stats."""
+        holds splitting ops (decode frames of a piecewise compile), shown in the backend's stats;
+        ``compile_inputs``: what the compiler gets instead of ``example_inputs`` (a saved frame's own
+        fake values, whose symbolic sizes dynamo's fake mode would have given the real ones)."""
         self.opts = opts
+        self._compile_inputs = compile_inputs
         self.role = role
         self.calls = 0  # counted by the backend's entry point
         self._precompiled = compiled
@@ -151,8 +155,9 @@ class CompiledSubgraph(FallsBack):
         if self._precompiled is not None:
             fn, self.compiler, failure = self._precompiled, "piecewise", ""
         else:
-            fn, self.compiler, failure = compile_graph(gm, args, self.opts, on_cpu=self.plan.devices == {"cpu"},
-                                                       trees=trees)
+            fn, self.compiler, failure = compile_graph(gm, self._compile_inputs or args, self.opts,
+                                                       on_cpu=self.plan.devices == {"cpu"}, trees=trees)
+            self._compile_inputs = None
         seconds = time.perf_counter() - t0
         self.compile_seconds += seconds
         _registry.count_compile(seconds)

@@ -101,8 +101,11 @@ class SavedFrame:
             if self._run is None:
                 gm, fake_mode = unpickle_graph(self._graph)
                 opts = BackendOptions.from_mapping(self._options)
-                with tracing_with(fake_mode):  # as dynamo calls a backend: its fake mode in the context
-                    self._run = serve(gm, list(args), opts)
+                fakes = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+                # as dynamo calls a backend: its fake mode in the context, and inductor compiles for the
+                # graph's symbolic sizes (dynamo's fake mode maps the real tensors to them; this one cannot)
+                with tracing_with(fake_mode):
+                    self._run = serve(gm, list(args), opts, compile_inputs=fakes)
             return self._run
 
 
@@ -136,6 +139,9 @@ def save_compiled(path: str | os.PathLike[str], fn: Callable[..., Any], *example
     if opts.process_group is not None:
         raise ConfigError("options['process_group']: a saved frame cannot hold a process group (it belongs to "
                           "this process); compile distributed steps with torch.compile")
+    if opts.piecewise:
+        raise NotImplementedError("options['piecewise']: saving a piecewise compile is not supported yet (its "
+                                  "pieces are split and compiled per frame); save the whole-graph backend")
     if not isinstance(one_frame, bool):
         raise ConfigError(f"one_frame: expected a bool, got {one_frame!r}")
     if not has_aot_precompile:
