@@ -120,7 +120,7 @@ def test_torchs_own_refusals_pass_through_and_leave_no_file(tmp_path):
 
 
 def test_a_frame_saved_by_another_torch_is_refused_naming_both_versions():
-    data = pickle.dumps({"format": 1, "torch": "1.0.0", "graph": b"", "options": {}})
+    data = pickle.dumps({"format": 2, "torch": "1.0.0", "graph": b"", "options": {}, "one_frame": True})
     with pytest.raises(RuntimeError, match=r"saved by PyTorch 1\.0\.0.*this is PyTorch"):
         SavedFrame.deserialize_compile_artifacts(data)
 

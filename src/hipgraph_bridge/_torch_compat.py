@@ -124,6 +124,7 @@ __all__ = [
     "pickle_graph",
     "unpickle_graph",
     "tracing_with",
+    "constant_symbols",
     "maybe_mark_dynamic",
 ]
 
@@ -683,6 +684,13 @@ def unpickle_graph(data: bytes) -> tuple[torch.fx.GraphModule, Any]:
         if "val" in n.meta:
             n.meta.setdefault("example_value", n.meta["val"])
     return gm, mode
+
+
+def constant_symbols(fake_mode: Any) -> dict[str, int]:
+    """The symbols ``fake_mode``'s shape environment has replaced by a number (specialised sizes)."""
+    env = getattr(fake_mode, "shape_env", None)
+    replacements = getattr(env, "replacements", None) or {}
+    return {str(k): int(v) for k, v in replacements.items() if getattr(v, "is_number", False)}
 
 
 def tracing_with(fake_mode: Any) -> Any:

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from .._torch_compat import (aot_compile_frame, has_aot_precompile, load_compiled_frame, make_serializable,
+from .._torch_compat import (aot_compile_frame, constant_symbols, has_aot_precompile, load_compiled_frame, make_serializable,
                              maybe_mark_dynamic, pickle_graph, size_oblivious_tracing,
                              tracing_with, unpickle_graph)
 from ..compile.backend import serve
@@ -59,7 +59,7 @@ from .warmup import batched_leaves, example_rows, resized
 
 __all__ = ["save_compiled", "load_compiled", "SavedFrame", "CompiledFrame"]
 
-_FORMAT = 1  # the layout of SavedFrame's bytes
+_FORMAT = 2  # the layout of SavedFrame's bytes
 
 
 class SavedFrame:
@@ -70,16 +70,17 @@ class SavedFrame:
     values, so inductor's and AOTAutograd's cache keys are those of the process that saved it.
     """
 
-    def __init__(self, graph: bytes, options: Mapping[str, Any]) -> None:
+    def __init__(self, graph: bytes, options: Mapping[str, Any], one_frame: bool) -> None:
         self._graph = graph
         self._options = dict(options)
+        self._one_frame = one_frame  # traced without the 0/1 specialisation: compiled so too
         self._run: Callable[..., Any] | None = None
         self._lock = threading.Lock()
 
     @classmethod
     def serialize_compile_artifacts(cls, fn: SavedFrame) -> bytes:
         return pickle.dumps({"format": _FORMAT, "torch": torch.__version__, "graph": fn._graph,
-                             "options": fn._options})
+                             "options": fn._options, "one_frame": fn._one_frame})
 
     @classmethod
     def deserialize_compile_artifacts(cls, data: bytes) -> SavedFrame:
@@ -88,7 +89,7 @@ class SavedFrame:
             raise RuntimeError(f"gfxgraph: this compiled frame was saved by PyTorch {state.get('torch')} (format "
                                f"{state.get('format')}); this is PyTorch {torch.__version__} (format {_FORMAT}): "
                                f"save it again with gfxgraph.cache.save_compiled in this environment")
-        return cls(state["graph"], state["options"])
+        return cls(state["graph"], state["options"], state["one_frame"])
 
     def __call__(self, *args: Any) -> Any:
         run = self._run
@@ -104,16 +105,26 @@ class SavedFrame:
                 fakes = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
                 # as dynamo calls a backend: its fake mode in the context, and inductor compiles for the
                 # graph's symbolic sizes (dynamo's fake mode maps the real tensors to them; this one cannot)
-                with tracing_with(fake_mode):
-                    self._run = serve(gm, list(args), opts, compile_inputs=fakes)
+                # and with the setting it was traced under: inductor's lowering would otherwise specialise a
+                # size the trace kept symbolic (as dynamo compiles inside its trace, warmup(one_frame=True) too)
+                before = constant_symbols(fake_mode)
+                with tracing_with(fake_mode), (size_oblivious_tracing() if self._one_frame
+                                               else contextlib.nullcontext()):
+                    run = serve(gm, list(args), opts, compile_inputs=fakes)
+                fixed = {k: v for k, v in constant_symbols(fake_mode).items() if k not in before}
+                if fixed:  # the saved guards admit other sizes, which the compiled code would refuse
+                    raise RuntimeError(f"gfxgraph: compiling the saved frame fixed its symbolic size(s) {fixed}: the "
+                                       f"code serves those sizes only, while its saved guards admit others; call "
+                                       f"it through torch.compile instead (this frame cannot be served)")
+                self._run = run
             return self._run
 
 
-def _saving_backend(options: Mapping[str, Any]) -> Callable[..., SavedFrame]:
+def _saving_backend(options: Mapping[str, Any], one_frame: bool) -> Callable[..., SavedFrame]:
     make_serializable(SavedFrame)
 
     def gfxgraph_saved(gm: torch.fx.GraphModule, example_inputs: Any, **_: Any) -> SavedFrame:
-        return SavedFrame(pickle_graph(gm), options)  # pickled before anything compiles or changes it
+        return SavedFrame(pickle_graph(gm), options, one_frame)  # pickled before anything compiles or changes it
 
     gfxgraph_saved.compiler_name = "gfxgraph"  # type: ignore[attr-defined]
     return gfxgraph_saved
@@ -156,7 +167,7 @@ def save_compiled(path: str | os.PathLike[str], fn: Callable[..., Any], *example
     for t in batched_leaves(example_args, example_kwargs, batch_dim, static):
         maybe_mark_dynamic(t, batch_dim)
     with size_oblivious_tracing() if one_frame else contextlib.nullcontext():
-        frame = aot_compile_frame(fn, _saving_backend(given), example_args, example_kwargs)
+        frame = aot_compile_frame(fn, _saving_backend(given, one_frame), example_args, example_kwargs)
     target = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent or ".")
     os.close(fd)
