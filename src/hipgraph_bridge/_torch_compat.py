@@ -45,7 +45,7 @@ fake tensors                   ``torch._subclasses.FakeTensorMode``: the   same
                                row analysis of a compiled graph
 lazy fx code                   ``_LazyGraphModule.real_recompile`` (2.3+)  same
 saved compiled frames          ``aot_compile``, ``SerializableCallable``,  same
-                               ``GraphPickler``, ``FakeTensorProp``,
+                               ``GraphPickler``, ``ShapeEnv.replacements``,
                                ``TracingContext`` (2.10+; before: refused)
 =============================  ==========================================  ======================================
 
@@ -639,17 +639,19 @@ def load_compiled_frame(data: bytes, f_globals: dict[str, Any] | None) -> Any:
 
 
 def pickle_graph(gm: torch.fx.GraphModule) -> bytes:
-    """``gm`` with its placeholders' fake values (``example_value``), through torch's ``GraphPickler``
-    (every op allowed: the graph is read back by the same torch). Other node metadata is left out (it holds
-    stacks and, on placeholders, dynamo's real example tensors): :func:`unpickle_graph` rebuilds it."""
+    """``gm`` with every node's fake value (``example_value``, as dynamo traced it), through torch's
+    ``GraphPickler`` (every op allowed: the graph is read back by the same torch). Other node metadata is
+    left out (it holds stacks and, on placeholders, dynamo's real example tensors). The values are kept
+    rather than recomputed on load: running the graph again on fake tensors outside dynamo can fix a
+    symbolic size (torch 2.11, a Llama step on CUDA: the batch became its traced size)."""
     from torch.fx._graph_pickler import GraphPickler, Options  # heavy: only a saved frame gets here
 
     saved = {n: n.meta for n in gm.graph.nodes}
     gm_meta = gm.meta
     try:
         for n in gm.graph.nodes:
-            n.meta = {"example_value": _unviewed(saved[n]["example_value"])} if n.op == "placeholder" and \
-                "example_value" in saved[n] else {}
+            n.meta = ({"example_value": pytree.tree_map(_unviewed, saved[n]["example_value"])}
+                      if "example_value" in saved[n] else {})
         gm.meta = {}
         return GraphPickler.dumps(gm, Options(ops_filter=None))
     finally:
@@ -668,21 +670,15 @@ def _unviewed(value: Any) -> Any:
 
 
 def unpickle_graph(data: bytes) -> tuple[torch.fx.GraphModule, Any]:
-    """The graph :func:`pickle_graph` wrote, in a new fake mode (with a shape environment) that holds its
-    placeholders' fake values; every node's ``example_value`` rebuilt by running the graph on them."""
+    """The graph :func:`pickle_graph` wrote, in a new fake mode whose shape environment is the one dynamo
+    traced it with (the pickle holds it), with every node's ``example_value``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx._graph_pickler import GraphPickler
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
     gm = GraphPickler.loads(data, mode)
     gm.recompile()
-    fakes = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
-    for n in gm.graph.nodes:
-        if "val" in n.meta:
-            n.meta.setdefault("example_value", n.meta["val"])
     return gm, mode
 
 
