@@ -63,7 +63,7 @@ def _step(model, x):
     return torch.relu(model(x)) + 1
 
 
-def test_one_frame_serves_every_batch_size_and_without_it_batch_1_fails_torchs_guards(tmp_path):
+def test_one_frame_serves_every_batch_size_and_without_it_batch_1_gets_a_second_frame(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
     x = torch.randn(5, 8)
@@ -75,18 +75,25 @@ def test_one_frame_serves_every_batch_size_and_without_it_batch_1_fails_torchs_g
         for n in (5, 1, 2, 7):
             assert f(model, x[:n] if n <= 5 else torch.randn(n, 8)).shape == (n, 4)
         torch.testing.assert_close(f(model, x[:1]), _step(model, x[:1]))
+        assert f.frames == 1  # torch 2.13: the frame traced without the 0/1 specialisation admits batch 1
         g = gfxgraph.cache.save_compiled(tmp_path / "b", _step, model, x, options={"compiler": "eager"},
                                          one_frame=False)
-        torch.testing.assert_close(g(model, x[:3]), _step(model, x[:3]))
-        with pytest.raises(RuntimeError, match="(?s)GuardManager check failed.*gfxgraph: this call does not match"):
-            g(model, x[:1])
+        assert g.frames == 2  # dynamo's 0/1 specialisation kept: batch 1 traced as a frame of its own
+        for n in (3, 1, 2):
+            torch.testing.assert_close(g(model, x[:n]), _step(model, x[:n]))
+        assert gfxgraph.cache.load_compiled(tmp_path / "b").frames == 2
+        with pytest.raises(RuntimeError, match="(?s)GuardManager check failed.*gfxgraph: this call matches none"):
+            g(model, x[:2].double())  # another dtype: no frame admits it
         again = gfxgraph.cache.load_compiled(tmp_path / "a")  # the file, read back in this process
         torch.testing.assert_close(again(model, x[:2]), _step(model, x[:2]))
         h = gfxgraph.cache.save_compiled(tmp_path / "c", _step, model, x[:1], options={"compiler": "eager"})
         torch.testing.assert_close(h(model, x[:4]), _step(model, x[:4]))  # traced at batch 1: every size
     buckets = [s.buckets for s in live_subgraphs() if s.opts.compiler == "eager"]
-    # the default buckets, all of them, for f, again and h; g's frame (0/1 specialised) starts at 2
-    assert sorted(b[0] for b in buckets) == [1, 1, 1, 2] and all(b[-1] == 256 for b in buckets), buckets
+    # the default buckets, all of them, for f, again and h; g's symbolic frame (0/1 specialised) starts at 2
+    # and its batch-1 frame serves exactly 1
+    assert [1] in buckets, buckets
+    assert sorted(b[0] for b in buckets if b != [1]) == [1, 1, 1, 2], buckets
+    assert all(b[-1] == 256 for b in buckets if b != [1]), buckets
 
 
 def test_options_are_checked_when_saving_and_a_process_group_cannot_be_saved(tmp_path):
@@ -119,10 +126,18 @@ def test_torchs_own_refusals_pass_through_and_leave_no_file(tmp_path):
     assert list(tmp_path.iterdir()) == []  # neither left a file nor a temporary one
 
 
-def test_a_frame_saved_by_another_torch_is_refused_naming_both_versions():
+def test_a_file_saved_by_another_torch_or_not_by_gfxgraph_is_refused_naming_what_was_expected(tmp_path):
+    old = tmp_path / "old.frame"
+    old.write_bytes(pickle.dumps({"gfxgraph_frames": 2, "torch": "1.0.0", "frames": []}))
+    with pytest.raises(RuntimeError, match=r"saved by PyTorch 1\.0\.0; this is PyTorch"):
+        gfxgraph.cache.load_compiled(old)
+    other = tmp_path / "other.frame"
+    other.write_bytes(b"not a pickle")
+    with pytest.raises(RuntimeError, match="not a file gfxgraph.cache.save_compiled wrote"):
+        gfxgraph.cache.load_compiled(other)
     data = pickle.dumps({"format": 2, "torch": "1.0.0", "graph": b"", "options": {}, "one_frame": True})
     with pytest.raises(RuntimeError, match=r"saved by PyTorch 1\.0\.0.*this is PyTorch"):
-        SavedFrame.deserialize_compile_artifacts(data)
+        SavedFrame.deserialize_compile_artifacts(data)  # the backend's part checks it too
 
 
 def test_load_of_a_missing_file_raises_file_not_found(tmp_path):

@@ -121,6 +121,9 @@ __all__ = [
     "make_serializable",
     "aot_compile_frame",
     "load_compiled_frame",
+    "compiled_frame_bytes",
+    "compiled_frame_admits",
+    "compiled_frame_code",
     "pickle_graph",
     "unpickle_graph",
     "tracing_with",
@@ -628,6 +631,21 @@ def aot_compile_frame(fn: Callable[..., Any], backend: Callable[..., Any], args:
                                   f"{type(fn).__name__}; save a plain function (a module's forward as a function "
                                   f"taking the module)")
     return compiled.aot_compile((args, kwargs))
+
+
+def compiled_frame_bytes(frame: Any) -> bytes:
+    """What ``frame.save_compiled_function(path)`` writes, as bytes (torch's own serialisation)."""
+    return type(frame).serialize(frame).serialized_data
+
+
+def compiled_frame_admits(frame: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a loaded frame's saved guards pass for this call (what its ``__call__`` checks first)."""
+    return bool(frame.guard_check(*args, **kwargs))
+
+
+def compiled_frame_code(frame: Any) -> Callable[..., Any]:
+    """A loaded frame's code without its guard check (``frame.fn``): for a caller that checked them."""
+    return frame.fn
 
 
 def load_compiled_frame(data: bytes, f_globals: dict[str, Any] | None) -> Any:

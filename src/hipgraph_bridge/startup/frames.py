@@ -22,7 +22,11 @@ What it asks of ``fn`` (PyTorch's rules for a saved frame):
 * the batch dimension is traced symbolic (the example's batched tensors are
   marked dynamic), by default without dynamo's 0/1 specialisation
   (``one_frame=True``, as :func:`~hipgraph_bridge.startup.warmup` explains), so
-  the one frame serves every batch size from 1 up.
+  the one frame serves every batch size from 1 up. Where the frame's guards
+  still refuse batch 1 (``one_frame=False``, or an op that specialises it
+  anyway: ``scaled_dot_product_attention`` on torch 2.11), batch 1 is traced
+  as a second frame, as ``torch.compile`` would, and the file holds both; a
+  call runs the first frame whose guards admit it.
 
 What it risks: the saved guards are the portable ones
 (``torch.compiler.keep_portable_guards_unsafe``): tensor metadata (the
@@ -31,8 +35,9 @@ global state (grad mode, autocast). Checks of object identity, Python values
 read from a module's attributes or from globals are dropped: a loaded function
 called with a model that differs in such a value (a config flag read in
 ``forward``) runs the code traced for the saved one. A call whose tensors fail
-the kept guards raises PyTorch's ``RuntimeError`` (its message first).
-Needs torch >= 2.10 (``NotImplementedError`` before).
+the kept guards raises PyTorch's ``RuntimeError`` (its message first). The
+file is a pickle (torch's own format for a saved frame is one too): load only
+files you trust. Needs torch >= 2.10 (``NotImplementedError`` before).
 """
 
 from __future__ import annotations
@@ -48,7 +53,8 @@ from typing import Any
 
 import torch
 
-from .._torch_compat import (aot_compile_frame, constant_symbols, has_aot_precompile, load_compiled_frame, make_serializable,
+from .._torch_compat import (aot_compile_frame, compiled_frame_admits, compiled_frame_bytes, compiled_frame_code,
+                             constant_symbols, has_aot_precompile, load_compiled_frame, make_serializable,
                              maybe_mark_dynamic, pickle_graph, size_oblivious_tracing,
                              tracing_with, unpickle_graph)
 from ..compile.backend import serve
@@ -140,9 +146,9 @@ def save_compiled(path: str | os.PathLike[str], fn: Callable[..., Any], *example
     it compiles at its first call, then serves graphs). ``options``: the backend's options
     (``torch.compile(..., options=...)``), checked now; a ``process_group`` cannot be saved
     (``ConfigError``). ``batch_dim``/``static_args``: where the example's tensors carry the batch (marked
-    dynamic before the trace). ``one_frame``: trace without the 0/1 specialisation so batch 1 is served
-    too (module docstring); ``False`` keeps dynamo's default, and then a call with batch 1 fails the
-    guards. Torch's own errors pass through (a graph break: ``fullgraph`` is required; a module held in
+    dynamic before the trace). ``one_frame``: trace without the 0/1 specialisation so that one frame
+    serves batch 1 too where the code allows (module docstring); where its guards refuse batch 1, or with
+    ``False``, batch 1 is traced as a second frame. Torch's own errors pass through (a graph break: ``fullgraph`` is required; a module held in
     a closure: it must be an argument). The file is written whole or not at all.
     """
     given = dict(options or {})
@@ -162,25 +168,33 @@ def save_compiled(path: str | os.PathLike[str], fn: Callable[..., Any], *example
     rows = example_rows(example_args, example_kwargs, batch_dim, static)
     # copies of the example's batched tensors, marked dynamic (a mark left on the caller's tensors would fail
     # the saved guards at their next call); at 2 rows or more: a symbolic size traced at 1 gets the range [1, 2]
-    example_args, example_kwargs = resized(example_args, example_kwargs, max(rows, 2), rows=rows,
-                                           batch_dim=batch_dim, static=static, fresh=True)
-    for t in batched_leaves(example_args, example_kwargs, batch_dim, static):
+    wide_args, wide_kwargs = resized(example_args, example_kwargs, max(rows, 2), rows=rows, batch_dim=batch_dim,
+                                     static=static, fresh=True)
+    for t in batched_leaves(wide_args, wide_kwargs, batch_dim, static):
         maybe_mark_dynamic(t, batch_dim)
+    backend = _saving_backend(given, one_frame)
     with size_oblivious_tracing() if one_frame else contextlib.nullcontext():
-        frame = aot_compile_frame(fn, _saving_backend(given, one_frame), example_args, example_kwargs)
+        frames = [aot_compile_frame(fn, backend, wide_args, wide_kwargs)]
+    one_args, one_kwargs = resized(example_args, example_kwargs, 1, rows=rows, batch_dim=batch_dim, static=static,
+                                   fresh=True)
+    if not compiled_frame_admits(frames[0], one_args, one_kwargs):
+        # dynamo kept its 0/1 specialisation (one_frame=False, or an op that guards on it anyway, such as
+        # scaled_dot_product_attention on torch 2.11): batch 1 gets a frame of its own, as torch.compile would
+        frames.append(aot_compile_frame(fn, backend, one_args, one_kwargs))
+    data = pickle.dumps({"gfxgraph_frames": _FORMAT, "torch": torch.__version__,
+                         "frames": [compiled_frame_bytes(f) for f in frames]})
     target = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent or ".")
-    os.close(fd)
-    try:
-        frame.save_compiled_function(tmp)
-        data = Path(tmp).read_bytes()
+    try:  # a unique temporary file, then a rename: a failed save leaves nothing
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    logger.info("gfxgraph: saved the compiled frame of %s to %s (%d bytes)", getattr(fn, "__qualname__", fn),
-                target, len(data))
-    return CompiledFrame(load_compiled_frame(data, _globals_of(fn)), str(target))
+    logger.info("gfxgraph: saved %d compiled frame(s) of %s to %s (%d bytes)", len(frames),
+                getattr(fn, "__qualname__", fn), target, len(data))
+    return _load(data, _globals_of(fn), str(target))
 
 
 def load_compiled(path: str | os.PathLike[str], *, f_globals: dict[str, Any] | None = None) -> Callable[..., Any]:
@@ -191,28 +205,50 @@ def load_compiled(path: str | os.PathLike[str], *, f_globals: dict[str, Any] | N
     ``FileNotFoundError``, ``NotImplementedError`` on a torch without saved frames, and ``RuntimeError``
     for a file saved by another torch version.
     """
-    data = Path(path).read_bytes()
-    return CompiledFrame(load_compiled_frame(data, f_globals), os.fspath(path))
+    return _load(Path(path).read_bytes(), f_globals, os.fspath(path))
+
+
+def _load(data: bytes, f_globals: dict[str, Any] | None, path: str) -> CompiledFrame:
+    try:
+        state = pickle.loads(data)
+    except Exception as exc:
+        raise RuntimeError(f"gfxgraph: {path} is not a file gfxgraph.cache.save_compiled wrote ({exc})") from None
+    if not isinstance(state, dict) or state.get("gfxgraph_frames") != _FORMAT:
+        raise RuntimeError(f"gfxgraph: {path} is not a file this gfxgraph's save_compiled wrote (format "
+                           f"{state.get('gfxgraph_frames') if isinstance(state, dict) else None}, expected {_FORMAT})")
+    if state.get("torch") != torch.__version__:
+        raise RuntimeError(f"gfxgraph: {path} was saved by PyTorch {state.get('torch')}; this is PyTorch "
+                           f"{torch.__version__}: save it again with gfxgraph.cache.save_compiled in this environment")
+    return CompiledFrame([load_compiled_frame(b, f_globals) for b in state["frames"]], path)
 
 
 class CompiledFrame:
-    """A saved frame ready to call: checks the saved guards, then runs the frame's code (no dynamo)."""
+    """Saved frames ready to call: the first whose saved guards admit the call runs its code (no dynamo)."""
 
     traced_ahead = True  # gfxgraph.warmup marks no tensor dynamic for it (its guards would refuse the mark)
 
-    def __init__(self, frame: Callable[..., Any], path: str) -> None:
-        self._frame = frame
+    def __init__(self, frames: list[Any], path: str) -> None:
+        self._frames = frames
+        self._codes = [compiled_frame_code(f) for f in frames]
         self.path = path
         self.__name__ = f"saved frame {Path(path).name}"
 
+    @property
+    def frames(self) -> int:
+        """How many frames the file holds (2 where batch 1 needed its own)."""
+        return len(self._frames)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        for frame, code in zip(self._frames, self._codes):
+            if compiled_frame_admits(frame, args, kwargs):
+                return code(*args, **kwargs)
         try:
-            return self._frame(*args, **kwargs)
+            return self._frames[0](*args, **kwargs)  # fails its guards again: torch's message says which
         except RuntimeError as exc:
             if "GuardManager check failed" in str(exc):  # torch's message first, then what it means here
-                raise RuntimeError(f"{exc}\ngfxgraph: this call does not match the frame saved in {self.path} "
-                                   f"(a tensor's shape, dtype or device, grad mode, or batch 1 for a frame saved "
-                                   f"with one_frame=False); save it again for such calls") from None
+                raise RuntimeError(f"{exc}\ngfxgraph: this call matches none of the frames saved in {self.path} "
+                                   f"(a tensor's shape, dtype or device, or grad mode differs from the example's); "
+                                   f"save it again for such calls") from None
             raise
 
     def __repr__(self) -> str:
