@@ -49,11 +49,11 @@ def test_a_loaded_frame_traces_nothing_hits_inductors_cache_and_gives_the_saved_
     path = str(tmp_path / "step.frame")
     folder = str(tmp_path / "inductor")  # kept between the two processes: the second one's cache hits
     cold = run_child(_CHILD, "save", path, folder, timeout=300)
-    assert cold["hits"]["fx_graph_miss"] >= 1 and cold["subgraphs"] == 1, cold
+    assert cold["hits"]["fx_graph_miss"] >= 1 and cold["subgraphs"] == 2, cold  # a frame from 2 rows, one for 1
     warm = run_child(_CHILD, "load", path, folder, timeout=300)
     assert warm["frames"] == 0, "dynamo traced a frame in the process that loaded the saved one"
     assert warm["hits"]["fx_graph_miss"] == 0 and warm["hits"]["fx_graph_hit"] >= 1, warm["hits"]
-    assert warm["subgraphs"] == 1
+    assert warm["subgraphs"] == 2
     assert warm["y"] == cold["y"]  # batch 1 included: one frame serves every size
     for n, want in warm["ref"].items():
         torch.testing.assert_close(torch.tensor(warm["y"][n]), torch.tensor(want))
@@ -63,37 +63,115 @@ def _step(model, x):
     return torch.relu(model(x)) + 1
 
 
-def test_one_frame_serves_every_batch_size_and_without_it_batch_1_gets_a_second_frame(tmp_path):
+def _new_subgraphs(before: set[int]) -> list:
+    return [s for s in live_subgraphs() if id(s) not in before]
+
+
+def test_batch_1_gets_a_frame_of_its_own_unless_one_frame_admits_it(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
     x = torch.randn(5, 8)
+    before = {id(s) for s in live_subgraphs()}
     with torch.no_grad():
-        f = gfxgraph.cache.save_compiled(tmp_path / "a", _step, model, x, options={"compiler": "eager"})
-        torch.testing.assert_close(f(model, x), _step(model, x))  # the example itself: saving left no mark on it
-        rep = gfxgraph.warmup(f, model, x, buckets=[1, 2, 4, 8], progress=False)  # no mark on a saved frame either
-        assert rep.buckets == (8, 4, 2, 1)
-        for n in (5, 1, 2, 7):
-            assert f(model, x[:n] if n <= 5 else torch.randn(n, 8)).shape == (n, 4)
-        torch.testing.assert_close(f(model, x[:1]), _step(model, x[:1]))
-        assert f.frames == 1  # torch 2.13: the frame traced without the 0/1 specialisation admits batch 1
-        g = gfxgraph.cache.save_compiled(tmp_path / "b", _step, model, x, options={"compiler": "eager"},
-                                         one_frame=False)
+        g = gfxgraph.cache.save_compiled(tmp_path / "b", _step, model, x, options={"compiler": "eager"})
         assert g.frames == 2  # dynamo's 0/1 specialisation kept: batch 1 traced as a frame of its own
-        for n in (3, 1, 2):
-            torch.testing.assert_close(g(model, x[:n]), _step(model, x[:n]))
+        torch.testing.assert_close(g(model, x), _step(model, x))  # the example itself: saving left no mark on it
+        rep = gfxgraph.warmup(g, model, x, buckets=[1, 2, 4, 8], progress=False)  # no mark on a saved frame either
+        assert rep.buckets == (8, 4, 2, 1)
+        for n in (3, 1, 2, 7):
+            xs = x[:n] if n <= 5 else torch.randn(n, 8)
+            torch.testing.assert_close(g(model, xs), _step(model, xs))
         assert gfxgraph.cache.load_compiled(tmp_path / "b").frames == 2
         with pytest.raises(RuntimeError, match="(?s)GuardManager check failed.*gfxgraph: this call matches none"):
             g(model, x[:2].double())  # another dtype: no frame admits it
+        f = gfxgraph.cache.save_compiled(tmp_path / "a", _step, model, x, options={"compiler": "eager"},
+                                         one_frame=True)
+        assert f.frames == 1  # torch 2.13: the frame traced without the 0/1 specialisation admits batch 1
         again = gfxgraph.cache.load_compiled(tmp_path / "a")  # the file, read back in this process
-        torch.testing.assert_close(again(model, x[:2]), _step(model, x[:2]))
-        h = gfxgraph.cache.save_compiled(tmp_path / "c", _step, model, x[:1], options={"compiler": "eager"})
+        for n in (1, 2):
+            torch.testing.assert_close(again(model, x[:n]), _step(model, x[:n]))
+        h = gfxgraph.cache.save_compiled(tmp_path / "c", _step, model, x[:1], options={"compiler": "eager"},
+                                         one_frame=True)
         torch.testing.assert_close(h(model, x[:4]), _step(model, x[:4]))  # traced at batch 1: every size
-    buckets = [s.buckets for s in live_subgraphs() if s.opts.compiler == "eager"]
-    # the default buckets, all of them, for f, again and h; g's symbolic frame (0/1 specialised) starts at 2
-    # and its batch-1 frame serves exactly 1
-    assert [1] in buckets, buckets
-    assert sorted(b[0] for b in buckets if b != [1]) == [1, 1, 1, 2], buckets
-    assert all(b[-1] == 256 for b in buckets if b != [1]), buckets
+    buckets = sorted(s.buckets for s in _new_subgraphs(before))
+    # g: a symbolic frame from 2 (0/1 specialised) and a batch-1 frame; `again` and h: every size (f is
+    # never called, so its graph is never compiled)
+    assert buckets[0] == [1] and [b[0] for b in buckets[1:]] == [1, 1, 2], buckets
+    assert all(b[-1] == 256 for b in buckets[1:]), buckets
+
+
+def _branchy(model, x):
+    if x.shape[0] == 1:  # the code itself specialises batch 1: no trace can keep it symbolic
+        return model(x) * 0
+    return model(x)
+
+
+def test_a_frame_whose_guards_refuse_batch_1_despite_one_frame_gets_a_batch_1_frame(tmp_path):
+    model, x = torch.nn.Linear(4, 4), torch.randn(3, 4)
+    with torch.no_grad():
+        f = gfxgraph.cache.save_compiled(tmp_path / "f", _branchy, model, x, options={"compiler": "eager"},
+                                         one_frame=True)
+        assert f.frames == 2
+        for n in (1, 2, 3):
+            torch.testing.assert_close(f(model, x[:n]), _branchy(model, x[:n]))
+
+
+def _scaled(model, x, scale, relu):
+    y = model(x) * scale
+    return torch.relu(y) if relu else y
+
+
+def test_python_values_and_the_modules_mode_are_checked_at_every_call(tmp_path):
+    model, x = torch.nn.Linear(4, 4).eval(), torch.randn(3, 4)
+    with torch.no_grad():
+        f = gfxgraph.cache.save_compiled(tmp_path / "f", _scaled, model, x, 2.0, True, options={"compiler": "eager"})
+        g = gfxgraph.cache.load_compiled(tmp_path / "f")
+        torch.testing.assert_close(g(model, x, 2.0, True), _scaled(model, x, 2.0, True))
+        for scale, relu in ((3.0, True), (2.0, False)):  # another value: refused, never the code traced for 2.0
+            with pytest.raises(RuntimeError, match="gfxgraph: this call matches none"):
+                g(model, x, scale, relu)
+        model.train()
+        with pytest.raises(RuntimeError, match="traced with the module argument 0 in eval mode; it is in training"):
+            f(model, x, 2.0, True)
+
+
+def test_a_strided_example_keeps_its_strides_and_views_inside_the_graph_are_saved(tmp_path):
+    def step(model, x):
+        y = model(x).view(-1, 2, 2)  # a view inside the graph: its traced fake value is a view
+        return y.sum(1)
+
+    model = torch.nn.Linear(8, 4)
+    base = torch.randn(5, 16)
+    x = base[:, 4:12]  # not contiguous: row stride 16
+    with torch.no_grad():
+        f = gfxgraph.cache.save_compiled(tmp_path / "f", step, model, x, options={"compiler": "eager"})
+        torch.testing.assert_close(f(model, x), step(model, x))  # the example itself still matches the guards
+        torch.testing.assert_close(f(model, x[:1]), step(model, x[:1]))
+
+
+def test_a_compile_that_fails_is_not_repeated_at_every_call(tmp_path, monkeypatch):
+    import hipgraph_bridge.startup.frames as frames
+
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("inductor could not compile this")
+
+    monkeypatch.setattr(frames, "serve", failing)
+    model, x = torch.nn.Linear(4, 4), torch.randn(3, 4)
+    with torch.no_grad():
+        f = gfxgraph.cache.save_compiled(tmp_path / "f", _step, model, x, options={"compiler": "eager"})
+        for _ in range(3):
+            with pytest.raises(RuntimeError, match="inductor could not compile this"):
+                f(model, x)
+    assert len(calls) == 1
+
+
+def test_grad_mode_with_parameters_that_require_grad_is_refused(tmp_path):
+    with pytest.raises(NotImplementedError, match="inference steps.*torch.no_grad"):
+        gfxgraph.cache.save_compiled(tmp_path / "f", _step, torch.nn.Linear(4, 4), torch.randn(2, 4))
+    assert not (tmp_path / "f").exists()
 
 
 def test_options_are_checked_when_saving_and_a_process_group_cannot_be_saved(tmp_path):
@@ -113,7 +191,7 @@ def test_torchs_own_refusals_pass_through_and_leave_no_file(tmp_path):
     def held(x):  # the module in a closure: torch will not pickle it into the file
         return model(x)
 
-    with pytest.raises(RuntimeError, match="Failed to serialize"):
+    with torch.no_grad(), pytest.raises(RuntimeError, match="(?s)Failed to serialize.*gfxgraph: a module the step"):
         gfxgraph.cache.save_compiled(tmp_path / "f", held, x, options={"compiler": "eager"})
 
     def breaks(model, x):
@@ -121,7 +199,7 @@ def test_torchs_own_refusals_pass_through_and_leave_no_file(tmp_path):
         print("a graph break")
         return y
 
-    with pytest.raises(Exception, match="(?i)graph break|print|fullgraph"):
+    with torch.no_grad(), pytest.raises(Exception, match="(?i)graph break|print|fullgraph"):
         gfxgraph.cache.save_compiled(tmp_path / "f", breaks, model, x, options={"compiler": "eager"})
     assert list(tmp_path.iterdir()) == []  # neither left a file nor a temporary one
 

@@ -119,11 +119,12 @@ def test_a_loaded_frame_traces_nothing_compiles_nothing_and_replays_the_saving_p
     dynamo, hits inductor's cache for every graph, captures the same buckets and replays the same numbers."""
     path = str(tmp_path / "mlp.frame")
     cold = run_child(_SAVED_CHILD, "save", path, str(tmp_path / "inductor"), timeout=400)
-    assert cold["graphs"] >= 4 and cold["stats"] == 1 and cold["hits"]["fx_graph_miss"] >= 1, cold
+    # two frames (batch 2 and up, symbolic; batch 1): a graph per bucket between them
+    assert cold["graphs"] >= 4 and cold["stats"] == 2 and cold["hits"]["fx_graph_miss"] >= 1, cold
     warm = run_child(_SAVED_CHILD, "load", path, str(tmp_path / "inductor"), timeout=400)
     assert warm["frames"] == 0, "dynamo traced a frame in the process that loaded the saved one"
     assert warm["hits"]["fx_graph_miss"] == 0 and warm["hits"]["fx_graph_hit"] >= 1, warm["hits"]
-    assert warm["graphs"] == cold["graphs"] and warm["stats"] == 1
+    assert warm["graphs"] == cold["graphs"] and warm["stats"] == 2
     assert warm["y"] == cold["y"]  # the same kernels, the same graphs: bit for bit
     for got, want in zip(warm["y"], warm["ref"]):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-4)

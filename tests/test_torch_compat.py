@@ -12,8 +12,9 @@ from hipgraph_bridge import _torch_compat as tc
 def test_describe_names_every_path():
     paths = tc.describe()
     assert set(paths) == {"torch", "replay", "check_input_liveness", "graph_exit_frame", "pool_release",
-                          "weak_outputs", "raw_stream", "pointer_check"}
+                          "weak_outputs", "raw_stream", "pointer_check", "saved_frames"}
     assert paths["torch"] == torch.__version__
+    assert paths["saved_frames"] == ("aot_compile" if tc.has_aot_precompile else "unavailable (torch < 2.10)")
     assert paths["graph_exit_frame"] is True  # torch.cuda.graph.__exit__(self, *args) on every supported torch
 
 

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import io
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -558,6 +559,7 @@ def describe() -> dict[str, Any]:
         "weak_outputs": weak_view_supported,
         "raw_stream": _raw_stream is not None and _get_device is not None,
         "pointer_check": "C++" if _pointer_check() is not _pointers_equal_py else "Python",
+        "saved_frames": "aot_compile" if has_aot_precompile else "unavailable (torch < 2.10)",
     }
 
 
@@ -624,8 +626,7 @@ def aot_compile_frame(fn: Callable[..., Any], backend: Callable[..., Any], args:
 
     flag = {"enable_aot_compile": True} if hasattr(torch._dynamo.config, "enable_aot_compile") else {}
     with torch._dynamo.config.patch(**flag):
-        compiled = torch.compile(fn, backend=backend, fullgraph=True,
-                                 options={"guard_filter_fn": torch.compiler.keep_portable_guards_unsafe})
+        compiled = torch.compile(fn, backend=backend, fullgraph=True, options={"guard_filter_fn": _saved_guards})
     if not hasattr(compiled, "aot_compile"):
         raise NotImplementedError(f"PyTorch {torch.__version__}: torch.compile gave no aot_compile for "
                                   f"{type(fn).__name__}; save a plain function (a module's forward as a function "
@@ -648,10 +649,26 @@ def compiled_frame_code(frame: Any) -> Callable[..., Any]:
     return frame.fn
 
 
+# Value guards on the frame's own arguments and what they hold (a Python scalar argument, a module's
+# ``training`` flag or a config value its forward reads): compared by value, so they hold in another process.
+_VALUE_GUARDS = frozenset({"EQUALS_MATCH", "CONSTANT_MATCH", "BOOL_MATCH", "NONE_MATCH"})
+
+
+def _saved_guards(entries: Sequence[Any]) -> list[bool]:
+    """The guards a saved frame keeps: PyTorch's portable ones (``keep_portable_guards_unsafe``: tensor
+    metadata, shapes, global state) and the value guards on its arguments, without which a call with
+    another Python value (``scale=3`` for a frame traced with 2, a module in train mode) would run the
+    code traced for the first one. Guards on object identity and on globals are dropped."""
+    from torch._dynamo.guards import CheckFunctionManager  # heavy: only a saved frame gets here
+
+    unsaved = set(getattr(CheckFunctionManager, "UNSUPPORTED_SERIALIZATION_GUARD_TYPES", ("ID_MATCH",)))
+    portable = torch.compiler.keep_portable_guards_unsafe(entries)
+    return [keep or (not e.is_global and e.guard_type in _VALUE_GUARDS and not unsaved & set(e.derived_guard_types))
+            for keep, e in zip(portable, entries)]
+
+
 def load_compiled_frame(data: bytes, f_globals: dict[str, Any] | None) -> Any:
     """``torch.compiler.load_compiled_function`` of the bytes ``save_compiled_function`` wrote."""
-    import io
-
     _need_aot_precompile()
     return torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=f_globals)
 

@@ -35,6 +35,7 @@ import argparse
 import json
 import logging
 import os
+import pstats
 import subprocess
 import sys
 import tempfile
@@ -207,8 +208,6 @@ def main() -> None:
 
 def _top_functions(stats_file: str, n: int = 45) -> list[str]:
     """The ``n`` functions with the most cumulative time in a cProfile file, one line each."""
-    import pstats
-
     st = pstats.Stats(stats_file)
     rows = sorted(st.stats.items(), key=lambda kv: -kv[1][3])[:n]  # type: ignore[attr-defined]
     return [f"{ct:8.3f} s cum {tt:8.3f} s own {nc:>7} calls  {file}:{line}({fn})"
@@ -225,7 +224,7 @@ def figures(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         figs.append(figure(f"{name}: process start to first graphed call, model build excluded",
                            r["to_first_call_s"], None, None, "s",
-                           note=f"imports {r['import_s']:.1f} s, warm-up {r['warmup_s']:.1f} s"
+                           note=f"imports {r['import_s']:.1f} s, warm-up {r['warmup_s']:.1f} s (compile, frame and capture included)"
                                 f" (compile {r.get('compile_s', float('nan')):.1f} s)"
                                 + (f", frame traced or loaded {r['trace_or_load_s']:.1f} s" if "trace_or_load_s" in r else "")
                                 + ", graph memory "

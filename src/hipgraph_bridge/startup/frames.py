@@ -20,21 +20,26 @@ What it asks of ``fn`` (PyTorch's rules for a saved frame):
 * the modules it runs passed as arguments, not held in a closure or a global:
   the file holds no weights, and torch refuses to save a module;
 * the batch dimension is traced symbolic (the example's batched tensors are
-  marked dynamic), by default without dynamo's 0/1 specialisation
-  (``one_frame=True``, as :func:`~hipgraph_bridge.startup.warmup` explains), so
-  the one frame serves every batch size from 1 up. Where the frame's guards
-  still refuse batch 1 (``one_frame=False``, or an op that specialises it
-  anyway: ``scaled_dot_product_attention`` on torch 2.11), batch 1 is traced
-  as a second frame, as ``torch.compile`` would, and the file holds both; a
-  call runs the first frame whose guards admit it.
+  marked dynamic) at 2 rows or more; batch 1, which dynamo specialises, is
+  traced as a second frame, as ``torch.compile`` would, and the file holds
+  both; a call runs the first frame whose guards admit it. ``one_frame=True``
+  traces without the 0/1 specialisation (with the risk
+  :func:`~hipgraph_bridge.startup.warmup` explains), and then the second frame
+  is saved only where the first one's guards still refuse batch 1 (an op that
+  specialises it anyway: ``scaled_dot_product_attention`` on torch 2.11);
+* inference: under grad mode no tensor argument or parameter may require grad.
 
 What it risks: the saved guards are the portable ones
-(``torch.compiler.keep_portable_guards_unsafe``): tensor metadata (the
-arguments' and the parameters' shapes, dtypes, devices), symbolic shapes and
-global state (grad mode, autocast). Checks of object identity, Python values
-read from a module's attributes or from globals are dropped: a loaded function
-called with a model that differs in such a value (a config flag read in
-``forward``) runs the code traced for the saved one. A call whose tensors fail
+(``torch.compiler.keep_portable_guards_unsafe``: tensor metadata of the
+arguments and parameters, symbolic shapes, global state such as grad mode and
+autocast) plus value guards on the arguments (a Python scalar, a config value
+``forward`` reads, compared by value); the module arguments' ``training`` flags
+are checked by gfxgraph. Checks of object identity and of globals are dropped:
+a loaded function called with a model whose code differs, or that differs in a
+value only an identity guard would catch, runs the code traced for the saved
+one. New assumptions inductor makes while compiling (a guard on a symbolic size
+other than fixing it to one number, which is refused) are not added to the
+saved guards. A call whose tensors fail
 the kept guards raises PyTorch's ``RuntimeError`` (its message first). The
 file is a pickle (torch's own format for a saved frame is one too): load only
 files you trust. Needs torch >= 2.10 (``NotImplementedError`` before).
@@ -47,7 +52,7 @@ import os
 import pickle
 import tempfile
 import threading
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +60,7 @@ import torch
 
 from .._torch_compat import (aot_compile_frame, compiled_frame_admits, compiled_frame_bytes, compiled_frame_code,
                              constant_symbols, has_aot_precompile, load_compiled_frame, make_serializable,
-                             maybe_mark_dynamic, pickle_graph, size_oblivious_tracing,
+                             maybe_mark_dynamic, pickle_graph, pytree, size_oblivious_tracing,
                              tracing_with, unpickle_graph)
 from ..compile.backend import serve
 from ..compile.options import BackendOptions
@@ -81,15 +86,19 @@ class SavedFrame:
         self._options = dict(options)
         self._one_frame = one_frame  # traced without the 0/1 specialisation: compiled so too
         self._run: Callable[..., Any] | None = None
+        self._failed: BaseException | None = None  # a compile that failed: raised again, not repeated
         self._lock = threading.Lock()
 
     @classmethod
     def serialize_compile_artifacts(cls, fn: SavedFrame) -> bytes:
+        """What a saved frame file holds for the backend (torch's ``SerializableCallable``): the pickled
+        graph, the options, the torch version that traced it."""
         return pickle.dumps({"format": _FORMAT, "torch": torch.__version__, "graph": fn._graph,
                              "options": fn._options, "one_frame": fn._one_frame})
 
     @classmethod
     def deserialize_compile_artifacts(cls, data: bytes) -> SavedFrame:
+        """The frame's backend part back, uncompiled (``RuntimeError`` if another torch saved it)."""
         state = pickle.loads(data)
         if state.get("format") != _FORMAT or state.get("torch") != torch.__version__:
             raise RuntimeError(f"gfxgraph: this compiled frame was saved by PyTorch {state.get('torch')} (format "
@@ -105,25 +114,35 @@ class SavedFrame:
 
     def _build(self, args: tuple[Any, ...]) -> Callable[..., Any]:
         with self._lock:
+            if self._failed is not None:
+                raise self._failed
             if self._run is None:
-                gm, fake_mode = unpickle_graph(self._graph)
-                opts = BackendOptions.from_mapping(self._options)
-                fakes = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
-                # as dynamo calls a backend: its fake mode in the context, and inductor compiles for the
-                # graph's symbolic sizes (dynamo's fake mode maps the real tensors to them; this one cannot)
-                # and with the setting it was traced under: inductor's lowering would otherwise specialise a
-                # size the trace kept symbolic (as dynamo compiles inside its trace, warmup(one_frame=True) too)
-                before = constant_symbols(fake_mode)
-                with tracing_with(fake_mode), (size_oblivious_tracing() if self._one_frame
-                                               else contextlib.nullcontext()):
-                    run = serve(gm, list(args), opts, compile_inputs=fakes)
-                fixed = {k: v for k, v in constant_symbols(fake_mode).items() if k not in before}
-                if fixed:  # the saved guards admit other sizes, which the compiled code would refuse
-                    raise RuntimeError(f"gfxgraph: compiling the saved frame fixed its symbolic size(s) {fixed}: the "
-                                       f"code serves those sizes only, while its saved guards admit others; call "
-                                       f"it through torch.compile instead (this frame cannot be served)")
-                self._run = run
+                try:
+                    self._run = self._compile(args)
+                except BaseException as exc:
+                    self._failed = exc
+                    raise
             return self._run
+
+    def _compile(self, args: tuple[Any, ...]) -> Callable[..., Any]:
+        """The graph compiled for its symbolic sizes, under the setting it was traced with."""
+        gm, fake_mode = unpickle_graph(self._graph)
+        opts = BackendOptions.from_mapping(self._options)
+        fakes = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+        # as dynamo calls a backend: its fake mode in the context, and inductor compiles for the
+        # graph's symbolic sizes (dynamo's fake mode maps the real tensors to them; this one cannot)
+        # and with the setting it was traced under: inductor's lowering would otherwise specialise a
+        # size the trace kept symbolic (as dynamo compiles inside its trace, warmup(one_frame=True) too)
+        before = constant_symbols(fake_mode)
+        with tracing_with(fake_mode), (size_oblivious_tracing() if self._one_frame
+                                       else contextlib.nullcontext()):
+            run = serve(gm, list(args), opts, compile_inputs=fakes)
+        fixed = {k: v for k, v in constant_symbols(fake_mode).items() if k not in before}
+        if fixed:  # the saved guards admit other sizes, which the compiled code would refuse
+            raise RuntimeError(f"gfxgraph: compiling the saved frame fixed its symbolic size(s) {fixed}: the "
+                               f"code serves those sizes only, while its saved guards admit others; call "
+                               f"it through torch.compile instead (this frame cannot be served)")
+        return run
 
 
 def _saving_backend(options: Mapping[str, Any], one_frame: bool) -> Callable[..., SavedFrame]:
@@ -138,7 +157,7 @@ def _saving_backend(options: Mapping[str, Any], one_frame: bool) -> Callable[...
 
 def save_compiled(path: str | os.PathLike[str], fn: Callable[..., Any], *example_args: Any,
                   options: Mapping[str, Any] | None = None, batch_dim: int = 0,
-                  static_args: Collection[int | str] = (), one_frame: bool = True,
+                  static_args: Collection[int | str] = (), one_frame: bool = False,
                   **example_kwargs: Any) -> Callable[..., Any]:
     """Trace ``fn`` once on the example with the gfxgraph backend, write the frame to ``path``, return it.
 
@@ -147,8 +166,10 @@ def save_compiled(path: str | os.PathLike[str], fn: Callable[..., Any], *example
     (``torch.compile(..., options=...)``), checked now; a ``process_group`` cannot be saved
     (``ConfigError``). ``batch_dim``/``static_args``: where the example's tensors carry the batch (marked
     dynamic before the trace). ``one_frame``: trace without the 0/1 specialisation so that one frame
-    serves batch 1 too where the code allows (module docstring); where its guards refuse batch 1, or with
-    ``False``, batch 1 is traced as a second frame. Torch's own errors pass through (a graph break: ``fullgraph`` is required; a module held in
+    serves batch 1 too where the code allows (``warmup``'s ``one_frame`` explains the risk: code that
+    broadcasts a batch of 1); by default, or where its guards refuse batch 1 anyway, batch 1 is traced
+    as a second frame. Saving runs under the caller's grad mode and is for inference: a tensor that
+    requires grad under grad mode is refused (``NotImplementedError``). Torch's own errors pass through (a graph break: ``fullgraph`` is required; a module held in
     a closure: it must be an argument). The file is written whole or not at all.
     """
     given = dict(options or {})
@@ -166,6 +187,10 @@ def save_compiled(path: str | os.PathLike[str], fn: Callable[..., Any], *example
                                   f"PyTorch {torch.__version__}: use gfxgraph.cache.save/load instead")
     static = set(static_args)
     rows = example_rows(example_args, example_kwargs, batch_dim, static)
+    if torch.is_grad_enabled() and _needs_grad(example_args, example_kwargs):
+        raise NotImplementedError("save_compiled saves inference steps: a tensor or parameter of the example "
+                                  "requires grad under grad mode; call it under torch.no_grad() or "
+                                  "torch.inference_mode(), as the step will be served")
     # copies of the example's batched tensors, marked dynamic (a mark left on the caller's tensors would fail
     # the saved guards at their next call); at 2 rows or more: a symbolic size traced at 1 gets the range [1, 2]
     wide_args, wide_kwargs = resized(example_args, example_kwargs, max(rows, 2), rows=rows, batch_dim=batch_dim,
@@ -173,16 +198,19 @@ def save_compiled(path: str | os.PathLike[str], fn: Callable[..., Any], *example
     for t in batched_leaves(wide_args, wide_kwargs, batch_dim, static):
         maybe_mark_dynamic(t, batch_dim)
     backend = _saving_backend(given, one_frame)
-    with size_oblivious_tracing() if one_frame else contextlib.nullcontext():
+    with _hinted("save"), size_oblivious_tracing() if one_frame else contextlib.nullcontext():
         frames = [aot_compile_frame(fn, backend, wide_args, wide_kwargs)]
     one_args, one_kwargs = resized(example_args, example_kwargs, 1, rows=rows, batch_dim=batch_dim, static=static,
                                    fresh=True)
     if not compiled_frame_admits(frames[0], one_args, one_kwargs):
         # dynamo kept its 0/1 specialisation (one_frame=False, or an op that guards on it anyway, such as
         # scaled_dot_product_attention on torch 2.11): batch 1 gets a frame of its own, as torch.compile would
-        frames.append(aot_compile_frame(fn, backend, one_args, one_kwargs))
+        with _hinted("save"):
+            frames.append(aot_compile_frame(fn, backend, one_args, one_kwargs))
+    with _hinted("save"):
+        saved = [compiled_frame_bytes(f) for f in frames]
     data = pickle.dumps({"gfxgraph_frames": _FORMAT, "torch": torch.__version__,
-                         "frames": [compiled_frame_bytes(f) for f in frames]})
+                         "modes": _module_modes(example_args, example_kwargs), "frames": saved})
     target = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent or ".")
     try:  # a unique temporary file, then a rename: a failed save leaves nothing
@@ -219,7 +247,40 @@ def _load(data: bytes, f_globals: dict[str, Any] | None, path: str) -> CompiledF
     if state.get("torch") != torch.__version__:
         raise RuntimeError(f"gfxgraph: {path} was saved by PyTorch {state.get('torch')}; this is PyTorch "
                            f"{torch.__version__}: save it again with gfxgraph.cache.save_compiled in this environment")
-    return CompiledFrame([load_compiled_frame(b, f_globals) for b in state["frames"]], path)
+    with _hinted("load"):
+        frames = [load_compiled_frame(b, f_globals) for b in state["frames"]]
+    return CompiledFrame(frames, path, state["modes"])
+
+
+@contextlib.contextmanager
+def _hinted(what: str) -> Iterator[None]:
+    """PyTorch's refusal to save or load a frame, its message first, then what it means with gfxgraph."""
+    try:
+        yield
+    except RuntimeError as exc:
+        msg = str(exc)
+        if what == "save" and "Failed to serialize" in msg:
+            hint = ("a module the step reads from a closure or a global cannot be saved: pass it as an argument "
+                    "(step(model, ids, pos)); gfxgraph saves no external data")
+        elif what == "load" and ("ompatib" in msg or "mismatch" in msg):
+            hint = ("the frame was saved in another environment (Python, CUDA, Triton or device); save it again "
+                    "with gfxgraph.cache.save_compiled there")
+        else:
+            raise
+        raise RuntimeError(f"{msg}\ngfxgraph: {hint}") from exc
+
+
+def _needs_grad(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    leaves = [*args, *kwargs.values()]
+    return any(t.requires_grad for v in leaves
+               for t in (v.parameters() if isinstance(v, torch.nn.Module) else
+                         (x for x in pytree.tree_leaves(v) if isinstance(x, torch.Tensor))))
+
+
+def _module_modes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int | str, bool]:
+    """The ``training`` flag of each module argument (PyTorch's saved guards do not keep it)."""
+    named = [*enumerate(args), *kwargs.items()]
+    return {k: v.training for k, v in named if isinstance(v, torch.nn.Module)}
 
 
 class CompiledFrame:
@@ -227,8 +288,9 @@ class CompiledFrame:
 
     traced_ahead = True  # gfxgraph.warmup marks no tensor dynamic for it (its guards would refuse the mark)
 
-    def __init__(self, frames: list[Any], path: str) -> None:
+    def __init__(self, frames: list[Any], path: str, modes: dict[int | str, bool]) -> None:
         self._frames = frames
+        self._modes = list(modes.items())
         self._codes = [compiled_frame_code(f) for f in frames]
         self.path = path
         self.__name__ = f"saved frame {Path(path).name}"
@@ -239,6 +301,15 @@ class CompiledFrame:
         return len(self._frames)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the first frame whose saved guards admit the call. Cost: PyTorch's guard check in Python
+        (every tensor argument's and parameter's metadata) per frame tried, before the frame's code."""
+        for where, training in self._modes:
+            m = args[where] if isinstance(where, int) else kwargs.get(where)
+            if isinstance(m, torch.nn.Module) and m.training != training:
+                raise RuntimeError(f"gfxgraph: the frame saved in {self.path} was traced with the module "
+                                   f"argument {where!r} in {'training' if training else 'eval'} mode; it is in "
+                                   f"{'training' if m.training else 'eval'} mode now (call .train()/.eval(), or save "
+                                   f"a frame for this mode)")
         for frame, code in zip(self._frames, self._codes):
             if compiled_frame_admits(frame, args, kwargs):
                 return code(*args, **kwargs)

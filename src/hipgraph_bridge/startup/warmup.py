@@ -198,7 +198,8 @@ def resized(args: tuple[Any, ...], kwargs: dict[str, Any], size: int, *, rows: i
             static: Collection[int | str] = (), fresh: bool = False) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The example's arguments at ``size`` rows: each tensor with ``rows`` rows in ``batch_dim`` (outside
     ``static``) has its rows repeated cyclically to ``size``; everything else is passed as it is.
-    ``fresh``: new tensors at ``size == rows`` too (the caller's own are not returned)."""
+    ``fresh``: new tensors at ``size == rows`` too (the caller's own are not returned), and at
+    ``size <= rows`` the first rows with the tensor's own strides."""
     index: dict[torch.device, torch.Tensor] = {}
 
     def grow(leaf: Any) -> Any:
@@ -206,6 +207,9 @@ def resized(args: tuple[Any, ...], kwargs: dict[str, Any], size: int, *, rows: i
             return leaf
         if size == rows and not fresh:
             return leaf
+        if fresh and size <= rows:  # a copy of the first rows with the leaf's own strides (saved guards check them)
+            part = leaf.narrow(batch_dim, 0, size)
+            return torch.empty_strided(part.shape, leaf.stride(), dtype=leaf.dtype, device=leaf.device).copy_(part)
         idx = index.get(leaf.device)
         if idx is None:
             idx = index[leaf.device] = torch.arange(size, device=leaf.device) % rows
