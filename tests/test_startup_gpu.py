@@ -10,6 +10,7 @@ import torch
 
 import gfxgraph
 from _cache_child import run_child
+from hipgraph_bridge import _torch_compat
 from hipgraph_bridge.startup import cache
 
 pytestmark = pytest.mark.gpu
@@ -112,7 +113,7 @@ _SAVED_CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not __import__("hipgraph_bridge._torch_compat", fromlist=["x"]).has_aot_precompile,
+@pytest.mark.skipif(not _torch_compat.has_aot_precompile,
                     reason="this torch cannot save a compiled frame (aot_compile, torch >= 2.10)")
 def test_a_loaded_frame_traces_nothing_compiles_nothing_and_replays_the_saving_processs_results(tmp_path):
     """save_compiled in one process, load_compiled in a second one (same inductor folder): the second runs no
