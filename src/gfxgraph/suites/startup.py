@@ -21,7 +21,8 @@ call_overhead suite's capture part: transformers' StaticCache fixes its batch at
 
 Phases: ``cold`` (empty inductor and triton cache folders), ``warm`` (a second process, the same
 folders kept), and for ``backend`` and ``backend-saved`` ``portable`` (empty folders plus the files
-the cold process wrote, loaded by ``gfxgraph.cache.load`` and ``load_compiled``: a new machine). Each child reports its times since its own start; "to first call" is process start to
+the cold process wrote, loaded by ``gfxgraph.cache.load`` and ``load_compiled``: a new machine).
+Each child reports its times since its own start; "to first call" is process start to
 the first graphed call's result on the host, minus building the model (weights are not
 gfxgraph's to load), and its breakdown: imports, warm-up (compile and capture; the compile
 share as the backend counts it), graph memory (graph pools, from the allocator), inductor's
@@ -224,10 +225,11 @@ def figures(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         figs.append(figure(f"{name}: process start to first graphed call, model build excluded",
                            r["to_first_call_s"], None, None, "s",
-                           note=f"imports {r['import_s']:.1f} s, warm-up {r['warmup_s']:.1f} s (compile, frame and capture included)"
-                                f" (compile {r.get('compile_s', float('nan')):.1f} s)"
-                                + (f", frame traced or loaded {r['trace_or_load_s']:.1f} s" if "trace_or_load_s" in r else "")
-                                + ", graph memory "
+                           note=f"imports {r['import_s']:.1f} s, warm-up {r['warmup_s']:.1f} s"
+                                f" (inside it: compile {r.get('compile_s', float('nan')):.1f} s"
+                                + (f", frame traced or loaded {r['trace_or_load_s']:.1f} s"
+                                   if "trace_or_load_s" in r else "")
+                                + "), graph memory "
                                 f"{r['graph_bytes'] / 2**20:.0f} MiB, fx-graph cache hits/misses "
                                 f"{r['cache']['fx_graph_hit']}/{r['cache']['fx_graph_miss']}"
                                 + "".join(f", {k} {v:.1f} s" for k, v in r.get("breakdown_s", {}).items()

@@ -159,7 +159,7 @@ def save_compiled(path: str | os.PathLike[str], fn: Callable[..., Any], *example
                   options: Mapping[str, Any] | None = None, batch_dim: int = 0,
                   static_args: Collection[int | str] = (), one_frame: bool = False,
                   **example_kwargs: Any) -> Callable[..., Any]:
-    """Trace ``fn`` once on the example with the gfxgraph backend, write the frame to ``path``, return it.
+    """Trace ``fn`` on the example with the gfxgraph backend, write its frames to ``path``, return them.
 
     Returns the function to call in this process (the same one :func:`load_compiled` gives in the next:
     it compiles at its first call, then serves graphs). ``options``: the backend's options
@@ -169,8 +169,9 @@ def save_compiled(path: str | os.PathLike[str], fn: Callable[..., Any], *example
     serves batch 1 too where the code allows (``warmup``'s ``one_frame`` explains the risk: code that
     broadcasts a batch of 1); by default, or where its guards refuse batch 1 anyway, batch 1 is traced
     as a second frame. Saving runs under the caller's grad mode and is for inference: a tensor that
-    requires grad under grad mode is refused (``NotImplementedError``). Torch's own errors pass through (a graph break: ``fullgraph`` is required; a module held in
-    a closure: it must be an argument). The file is written whole or not at all.
+    requires grad under grad mode is refused (``NotImplementedError``). Torch's own errors pass through
+    (a graph break: ``fullgraph`` is required; a module held in a closure, with a hint after it: it must
+    be an argument). The file is written whole or not at all. Cost: one dynamo trace per frame.
     """
     given = dict(options or {})
     opts = BackendOptions.from_mapping(given)  # ConfigError now, not at the next process's first call
