@@ -149,6 +149,19 @@ def test_a_strided_example_keeps_its_strides_and_views_inside_the_graph_are_save
         torch.testing.assert_close(f(model, x[:1]), step(model, x[:1]))
 
 
+def test_a_symbolic_slice_in_the_graph_is_saved_and_read_back(tmp_path):
+    def step(model, x):  # slice(None, s0 - 1): a node inside a slice, which the pickler must find
+        return model(x)[: x.shape[0] - 1] * 2
+
+    model, x = torch.nn.Linear(4, 4), torch.randn(5, 4)
+    with torch.no_grad():
+        gfxgraph.cache.save_compiled(tmp_path / "f", step, model, x, options={"compiler": "eager"})
+        f = gfxgraph.cache.load_compiled(tmp_path / "f")
+        for n in (5, 3):
+            torch.testing.assert_close(f(model, x[:n]), step(model, x[:n]))
+    assert slice not in _torch_compat.pytree.SUPPORTED_NODES  # registered for the pickling only
+
+
 def test_a_compile_that_fails_is_not_repeated_at_every_call(tmp_path, monkeypatch):
     import hipgraph_bridge.startup.frames as frames
 

@@ -55,11 +55,12 @@ importing them costs over a second, and only compiled code needs them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import io
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -673,6 +674,21 @@ def load_compiled_frame(data: bytes, f_globals: dict[str, Any] | None) -> Any:
     return torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=f_globals)
 
 
+@contextlib.contextmanager
+def _slices_as_pytree() -> Iterator[None]:
+    """Slices as pytree nodes while a graph is pickled or read back, so that a node inside one
+    (``x[:, :n]`` with a symbolic ``n``) is found: torch 2.13's GraphPickler does this itself, 2.11's not."""
+    if slice in pytree.SUPPORTED_NODES:
+        yield
+        return
+    pytree._private_register_pytree_node(slice, lambda x: ([x.start, x.stop, x.step], None),
+                                         lambda x, _: slice(*x))
+    try:
+        yield
+    finally:
+        pytree._deregister_pytree_node(slice)
+
+
 def pickle_graph(gm: torch.fx.GraphModule) -> bytes:
     """``gm`` with every node's fake value (``example_value``, as dynamo traced it), through torch's
     ``GraphPickler`` (every op allowed: the graph is read back by the same torch). Other node metadata is
@@ -688,7 +704,8 @@ def pickle_graph(gm: torch.fx.GraphModule) -> bytes:
             n.meta = ({"example_value": pytree.tree_map(_unviewed, saved[n]["example_value"])}
                       if "example_value" in saved[n] else {})
         gm.meta = {}
-        return GraphPickler.dumps(gm, Options(ops_filter=None))
+        with _slices_as_pytree():
+            return GraphPickler.dumps(gm, Options(ops_filter=None))
     finally:
         for n, meta in saved.items():
             n.meta = meta
@@ -712,7 +729,8 @@ def unpickle_graph(data: bytes) -> tuple[torch.fx.GraphModule, Any]:
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
-    gm = GraphPickler.loads(data, mode)
+    with _slices_as_pytree():
+        gm = GraphPickler.loads(data, mode)
     gm.recompile()
     return gm, mode
 
