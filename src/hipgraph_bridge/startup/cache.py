@@ -26,7 +26,7 @@ from typing import Any
 from .._torch_compat import compile_cache_counters, has_cache_artifacts, load_cache_artifacts, save_cache_artifacts
 from ..log import logger
 
-__all__ = ["save", "load", "hits", "supported"]
+__all__ = ["save", "load", "hits", "supported", "write_whole"]
 
 
 def supported() -> bool:
@@ -48,18 +48,25 @@ def save(path: str | os.PathLike[str]) -> dict[str, int]:
         raise RuntimeError("gfxgraph.cache.save: this process compiled nothing with torch.compile, so "
                            "there is nothing to save; call it after the warm-up, in the same process")
     blob, info = got
+    target = write_whole(path, blob)
+    counts = _counts(info)
+    logger.info("gfxgraph: saved compile cache to %s (%d bytes; %s)", target, len(blob), counts)
+    return counts
+
+
+def write_whole(path: str | os.PathLike[str], data: bytes) -> Path:
+    """Write ``data`` to ``path`` whole or not at all: a unique temporary file beside it, then a rename,
+    so concurrent saves never mix and a failed one leaves nothing. Returns the path."""
     target = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent or ".")
-    try:  # a unique temporary file, then a rename: concurrent saves never mix, a failed one leaves nothing
+    try:
         with os.fdopen(fd, "wb") as f:
-            f.write(blob)
+            f.write(data)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    counts = _counts(info)
-    logger.info("gfxgraph: saved compile cache to %s (%d bytes; %s)", target, len(blob), counts)
-    return counts
+    return target
 
 
 def load(path: str | os.PathLike[str]) -> dict[str, int]:

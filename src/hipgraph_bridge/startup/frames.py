@@ -50,7 +50,6 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import tempfile
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
@@ -66,6 +65,7 @@ from ..compile.backend import serve
 from ..compile.options import BackendOptions
 from ..errors import ConfigError
 from ..log import logger
+from .cache import write_whole
 from .warmup import batched_leaves, example_rows, resized
 
 __all__ = ["save_compiled", "load_compiled", "SavedFrame", "CompiledFrame"]
@@ -212,15 +212,7 @@ def save_compiled(path: str | os.PathLike[str], fn: Callable[..., Any], *example
         saved = [compiled_frame_bytes(f) for f in frames]
     data = pickle.dumps({"gfxgraph_frames": _FORMAT, "torch": torch.__version__,
                          "modes": _module_modes(example_args, example_kwargs), "frames": saved})
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent or ".")
-    try:  # a unique temporary file, then a rename: a failed save leaves nothing
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    target = write_whole(path, data)
     logger.info("gfxgraph: saved %d compiled frame(s) of %s to %s (%d bytes)", len(frames),
                 getattr(fn, "__qualname__", fn), target, len(data))
     return _load(data, _globals_of(fn), str(target))
