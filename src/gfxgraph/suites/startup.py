@@ -199,12 +199,21 @@ def main() -> None:
             for ph in phases:
                 runs[f"{c} {ph}"] = _spawn(c, ph, os.path.join(tmp, f"{c}-new") if ph == "portable" else folder,
                                            files)
+                _keep_partial(args.out, runs, profiles)
             if args.profile:
                 stats = os.path.join(tmp, f"{c}.prof")
                 got = _spawn(c, "warm", folder, files, profile=stats)
                 profiles[c] = {"to_first_call_s (profiled)": got.get("to_first_call_s"), "error": got.get("error"),
                                "top": _top_functions(stats) if os.path.exists(stats) else []}
+                _keep_partial(args.out, runs, profiles)
     write(args.out, "startup", figures(runs), {"method": __doc__, "results": runs, "warm_profiles": profiles})
+
+
+def _keep_partial(out: str, runs: dict[str, Any], profiles: dict[str, Any]) -> None:
+    """The runs so far, in ``out/startup.partial.json``: they survive a parent killed by a time limit."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "startup.partial.json"), "w") as f:
+        json.dump({"results": runs, "warm_profiles": profiles}, f, default=str)
 
 
 def _top_functions(stats_file: str, n: int = 45) -> list[str]:

@@ -311,8 +311,9 @@ class CompiledFrame:
         except RuntimeError as exc:
             if "GuardManager check failed" in str(exc):  # torch's message first, then what it means here
                 raise RuntimeError(f"{exc}\ngfxgraph: this call matches none of the frames saved in {self.path} "
-                                   f"(a tensor's shape, dtype or device, or grad mode differs from the example's); "
-                                   f"save it again for such calls") from None
+                                   f"(a tensor's shape, dtype or device, grad mode, a value the step reads, or which "
+                                   f"arguments are one tensor differs from the example's); save it again with an "
+                                   f"example like such calls") from None
             raise
 
     def __repr__(self) -> str:
