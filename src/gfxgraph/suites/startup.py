@@ -28,11 +28,19 @@ gfxgraph's to load), and its breakdown: imports, warm-up (compile and capture; t
 share as the backend counts it), graph memory (graph pools, from the allocator), inductor's
 cache hits and misses, and the first call's tokens, compared between phases.
 Targets (issue 27) beside each figure.
+
+Bytecode: every child reads compiled bytecode, as after a ``pip install`` (which byte-compiles what it
+installs). Before the contenders the parent byte-compiles the packages the children import (torch,
+transformers, their heavy dependencies, gfxgraph) into one folder (``PYTHONPYCACHEPREFIX``), and the
+children may write to it (``PYTHONDONTWRITEBYTECODE`` dropped). Without this, an environment that sets
+``PYTHONDONTWRITEBYTECODE`` over sources installed without bytecode (the H200 we measure on) makes every
+process compile torch's Python sources again: 6.8 s of a profiled warm process.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -51,6 +59,9 @@ from hipgraph_bridge._torch_compat import compile_profile, compile_time_seconds,
 BUCKETS_36 = sorted([1, 2, 4, 8, 12, *range(16, 257, 8)])
 CONTENDERS = ("pool", "backend", "reduce-overhead", "backend-regions", "backend-saved")
 PORTABLE = ("backend", "backend-saved")  # the contenders with a portable phase (files from the cold process)
+# the packages whose bytecode the parent compiles before the contenders (what a child imports, heavy first)
+BYTECODE = ("torch", "transformers", "triton", "sympy", "sklearn", "scipy", "numpy", "networkx", "jinja2", "mpmath",
+            "safetensors", "huggingface_hub", "tokenizers", "tqdm", "gfxgraph", "hipgraph_bridge")
 FIRST_BATCH = 8  # the first call's batch size: a bucket every contender warmed (reduce-overhead records sizes)
 
 
@@ -153,9 +164,34 @@ class _CacheBypasses(logging.Handler):
             self.reasons.append(msg[:300])
 
 
-def _spawn(contender: str, phase: str, folder: str, blob: str, profile: str | None = None) -> dict[str, Any]:
+def _bytecode(folder: str) -> dict[str, Any]:
+    """Byte-compiles :data:`BYTECODE`'s installed packages into ``folder`` (the children's
+    ``PYTHONPYCACHEPREFIX``), all cores; what was compiled and how long it took."""
+    dirs = []
+    for name in BYTECODE:
+        spec = importlib.util.find_spec(name)  # found, not imported
+        if spec is not None and spec.submodule_search_locations:
+            dirs.extend(spec.submodule_search_locations)
+    t = time.time()
+    done = subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", *dirs],
+                          env=_bytecode_env(child_env(), folder), capture_output=True, text=True)
+    # files written for another Python (torch's py312-only test helpers) do not compile: counted, not fatal
+    return {"prefix": folder, "packages": dirs, "seconds": time.time() - t,
+            "files_not_compiled": done.stdout.count("*** Error compiling")}
+
+
+def _bytecode_env(env: dict[str, str], folder: str) -> dict[str, str]:
+    env = {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = folder
+    return env
+
+
+def _spawn(contender: str, phase: str, folder: str, blob: str, profile: str | None = None,
+           pycache: str | None = None) -> dict[str, Any]:
     env = child_env(TORCHINDUCTOR_CACHE_DIR=os.path.join(folder, "inductor"),
                     TRITON_CACHE_DIR=os.path.join(folder, "triton"))
+    if pycache is not None:
+        env = _bytecode_env(env, pycache)
     profiler = ["-m", "cProfile", "-o", profile] if profile else []
     with tempfile.NamedTemporaryFile("r", suffix=".json") as result:
         t0 = time.time()
@@ -178,9 +214,10 @@ def main() -> None:
     for name in ("--child", "--phase", "--blob", "--result", "--spawned"):  # the parent's, for its children
         p.add_argument(name, default=None, help=argparse.SUPPRESS)
     p.add_argument("--contenders", default=",".join(CONTENDERS))
-    p.add_argument("--profile", action="store_true",
-                   help="after its phases, run each contender's warm process once more under cProfile and keep "
-                        "the functions with the most cumulative time (a diagnostic: no figure comes from it)")
+    p.add_argument("--profile", default="", metavar="CONTENDERS",
+                   help="comma-separated contenders whose warm process runs once more, after their phases, under "
+                        "cProfile: the raw profile is kept beside the JSON and its functions with the most "
+                        "cumulative time go into it (a diagnostic: no figure comes from it)")
     args = p.parse_args()
     if args.child:
         res = child(args.child, args.phase, args.blob, float(args.spawned))
@@ -192,21 +229,24 @@ def main() -> None:
     runs: dict[str, dict[str, Any]] = {}
     profiles: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        pycache = os.path.join(tmp, "pycache")
+        bytecode = _bytecode(pycache)
         for c in args.contenders.split(","):
             folder = os.path.join(tmp, c)
             phases = ("cold", "warm", "portable") if c in PORTABLE else ("cold", "warm")
             files = os.path.join(tmp, f"{c}-compile-cache.bin")  # the cold process writes, the others read
             for ph in phases:
                 runs[f"{c} {ph}"] = _spawn(c, ph, os.path.join(tmp, f"{c}-new") if ph == "portable" else folder,
-                                           files)
+                                           files, pycache=pycache)
                 _keep_partial(args.out, runs, profiles)
-            if args.profile:
-                stats = os.path.join(tmp, f"{c}.prof")
-                got = _spawn(c, "warm", folder, files, profile=stats)
+            if c in args.profile.split(","):  # the raw profile is kept beside the JSON (pstats reads it)
+                stats = os.path.join(args.out, f"startup-{c}-warm.prof")
+                got = _spawn(c, "warm", folder, files, profile=stats, pycache=pycache)
                 profiles[c] = {"to_first_call_s (profiled)": got.get("to_first_call_s"), "error": got.get("error"),
                                "top": _top_functions(stats) if os.path.exists(stats) else []}
                 _keep_partial(args.out, runs, profiles)
-    write(args.out, "startup", figures(runs), {"method": __doc__, "results": runs, "warm_profiles": profiles})
+    write(args.out, "startup", figures(runs), {"method": __doc__, "bytecode": bytecode, "results": runs,
+                                               "warm_profiles": profiles})
 
 
 def _keep_partial(out: str, runs: dict[str, Any], profiles: dict[str, Any]) -> None:
