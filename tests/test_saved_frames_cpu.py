@@ -23,7 +23,12 @@ pytestmark = pytest.mark.skipif(not _torch_compat.has_aot_precompile,
 _CHILD = textwrap.dedent("""
     import json, sys, torch
     import gfxgraph
+    import hipgraph_bridge.compile.subgraph as sg
     from torch._dynamo.utils import counters
+
+    analyses = []  # row analyses run in this process
+    traced = sg.trace_graph
+    sg.trace_graph = lambda *a, **k: analyses.append(1) or traced(*a, **k)
 
     def step(model, x):
         return model(x) * 2
@@ -39,9 +44,11 @@ _CHILD = textwrap.dedent("""
         else:
             f = gfxgraph.cache.load_compiled(path)
         y = {n: f(model, x[:n]).flatten().tolist() for n in (6, 1, 3)}
+        f(model, x[:1])  # batch 1's second call: its frame (every shape fixed) compiles now
         ref = {n: step(model, x[:n]).flatten().tolist() for n in (6, 1, 3)}
     print(json.dumps({"hits": gfxgraph.cache.hits(), "frames": int(counters["frames"]["total"]), "y": y, "ref": ref,
-                      "subgraphs": gfxgraph.backend_stats()["subgraphs"]}))
+                      "subgraphs": gfxgraph.backend_stats()["subgraphs"], "analyses": len(analyses),
+                      "verdicts": sorted(repr(s.verdict) for s in sg.live_subgraphs())}))
 """)
 
 
@@ -54,6 +61,9 @@ def test_a_loaded_frame_traces_nothing_hits_inductors_cache_and_gives_the_saved_
     assert warm["frames"] == 0, "dynamo traced a frame in the process that loaded the saved one"
     assert warm["hits"]["fx_graph_miss"] == 0 and warm["hits"]["fx_graph_hit"] >= 1, warm["hits"]
     assert warm["subgraphs"] == 2
+    # the row analysis made when saving travels in the file: the same verdicts, none made again
+    assert cold["analyses"] >= 1 and warm["analyses"] == 0 and warm["verdicts"] == cold["verdicts"], (cold, warm)
+    assert "RowVerdict(reason=None" in " ".join(warm["verdicts"])  # the symbolic frame's rows: proven independent
     assert warm["y"] == cold["y"]  # batch 1 included: one frame serves every size
     for n, want in warm["ref"].items():
         torch.testing.assert_close(torch.tensor(warm["y"][n]), torch.tensor(want))
@@ -175,10 +185,11 @@ def test_a_compile_that_fails_is_not_repeated_at_every_call(tmp_path, monkeypatc
     model, x = torch.nn.Linear(4, 4), torch.randn(3, 4)
     with torch.no_grad():
         f = gfxgraph.cache.save_compiled(tmp_path / "f", _step, model, x, options={"compiler": "eager"})
+        assert len(calls) == f.frames  # each frame compiled once, when it was saved
         for _ in range(3):
             with pytest.raises(RuntimeError, match="inductor could not compile this"):
                 f(model, x)
-    assert len(calls) == 1
+    assert len(calls) == f.frames
 
 
 def test_grad_mode_with_parameters_that_require_grad_is_refused(tmp_path):
@@ -243,3 +254,37 @@ def test_a_torch_without_saved_frames_raises_not_implemented(monkeypatch, tmp_pa
         gfxgraph.cache.save_compiled(tmp_path / "f", _step, torch.nn.Linear(2, 2), torch.randn(2, 2))
     with pytest.raises(NotImplementedError, match="torch >= 2.10"):
         _torch_compat.load_compiled_frame(b"", None)
+
+
+def test_a_row_analysis_travels_with_its_frame_only_to_the_same_gfxgraph_code(monkeypatch):
+    import hipgraph_bridge.startup.frames as frames
+    from hipgraph_bridge.compile.subgraph import Analysis
+    from hipgraph_bridge.fallbacks import Reason
+    from hipgraph_bridge.padding.rows import RowVerdict
+
+    made = Analysis(((3, 0),), RowVerdict(Reason.ROWS_COUPLED, "sum over the batch", ()))
+    data = SavedFrame.serialize_compile_artifacts(SavedFrame(b"graph", {}, False, made))
+    assert SavedFrame.deserialize_compile_artifacts(data)._analysis == made
+    monkeypatch.setattr(frames, "_code_version", lambda: "another gfxgraph")  # changed code may analyse otherwise
+    assert SavedFrame.deserialize_compile_artifacts(data)._analysis is None
+
+
+def test_warmup_compiles_a_saved_batch_1_frame_that_waited_since_it_was_saved(tmp_path, monkeypatch):
+    import sys
+
+    from hipgraph_bridge.compile.subgraph import SubgraphState
+
+    warmup_module = sys.modules["hipgraph_bridge.startup.warmup"]  # the package's `warmup` is the function
+
+    # save_compiled compiles its frames when saving: the batch-1 frame (every shape fixed) then waits, LAZY,
+    # for its static_compile_after-th call, before warmup's first call to it
+    torch.manual_seed(0)
+    model, x = torch.nn.Linear(8, 4), torch.randn(5, 8)
+    before = {id(s) for s in live_subgraphs()}
+    with torch.no_grad():
+        g = gfxgraph.cache.save_compiled(tmp_path / "b", _step, model, x, options={"compiler": "eager"})
+        assert [s.state for s in _new_subgraphs(before)].count(SubgraphState.LAZY) == 1
+        monkeypatch.setattr(warmup_module.torch.cuda, "is_available", lambda: True)  # warmup's retries are GPU-only
+        gfxgraph.warmup(g, model, x, buckets=[1, 2, 4, 8], progress=False)
+    assert all(s.state is not SubgraphState.LAZY for s in _new_subgraphs(before)), \
+        [(s.state, s.lazy_calls) for s in _new_subgraphs(before)]

@@ -14,7 +14,6 @@ lost or double-counted across a reset.
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 import time
 import weakref

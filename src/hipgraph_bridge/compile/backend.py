@@ -65,7 +65,7 @@ from .._torch_compat import dynamo_registry
 from ..log import logger
 from .options import BackendOptions
 from .piecewise import PiecewiseSubgraph, piecewise_subgraph
-from .subgraph import CompiledSubgraph, SubgraphState, compile_counts, live_subgraphs
+from .subgraph import Analysis, CompiledSubgraph, SubgraphState, analysis_seconds, compile_counts, live_subgraphs
 
 __all__ = ["BACKEND_NAMES", "gfxgraph_backend", "Backend", "backend", "serve", "register", "backend_stats",
            "piecewise_stats", "trees_stats", "compiled_subgraphs", "reset_backend"]
@@ -92,16 +92,17 @@ def gfxgraph_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
 
 
 def serve(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, *,
-          compile_inputs: Sequence[Any] | None = None) -> Callable[..., Any]:
+          compile_inputs: Sequence[Any] | None = None, analysis: Analysis | None = None) -> Callable[..., Any]:
     """The function dynamo calls for ``gm``: a piecewise frame or one compiled subgraph.
 
-    ``compile_inputs`` (not with ``piecewise``): what inductor compiles ``gm`` for, where the real
-    ``example_inputs`` do not say which sizes are symbolic (a saved frame's graph: its fake values)."""
-    if compile_inputs is not None and opts.piecewise:
-        raise NotImplementedError("compile_inputs: the piecewise backend compiles its pieces from the graph's "
-                                  "own fake values")
+    ``compile_inputs`` and ``analysis`` (not with ``piecewise``): what inductor compiles ``gm`` for,
+    where the real ``example_inputs`` do not say which sizes are symbolic (a saved frame's graph: its
+    fake values), and the row analysis of ``gm`` another process made (a saved frame's)."""
+    if (compile_inputs is not None or analysis is not None) and opts.piecewise:
+        raise NotImplementedError("compile_inputs, analysis: the piecewise backend compiles and analyses its "
+                                  "pieces from the graph's own fake values")
     sub: Any = (piecewise_subgraph(gm, list(example_inputs), opts) if opts.piecewise
-                else CompiledSubgraph(gm, list(example_inputs), opts,
+                else CompiledSubgraph(gm, list(example_inputs), opts, analysis=analysis,
                                       compile_inputs=None if compile_inputs is None else list(compile_inputs)))
 
     if sub.role == "full":  # a frame with splitting ops served whole (decode): its calls are counted
@@ -201,7 +202,8 @@ def backend_stats() -> dict[str, Any]:
     Keys: ``subgraphs``, ``graphed`` (bucketed graphs), ``trees`` (:func:`trees_stats`:
     the subgraphs that need autograd, graphed by CUDA-graph trees), ``lazy``,
     ``ungraphed`` (reason -> count), ``compiles`` and ``compile_seconds`` (process
-    totals), ``graphs`` (captured bucket graphs), ``pool_bytes`` (their graph-pool
+    totals), ``analysis_seconds`` (process total of gfxgraph's own analysis of the graphs: input
+    plans and row analyses), ``graphs`` (captured bucket graphs), ``pool_bytes`` (their graph-pool
     memory), ``piecewise`` (:func:`piecewise_stats`). Cost: walks the allocator's
     segments (milliseconds).
     """
@@ -219,6 +221,7 @@ def backend_stats() -> dict[str, Any]:
         "ungraphed": ungraphed,
         "compiles": compiles,
         "compile_seconds": seconds,
+        "analysis_seconds": analysis_seconds(),
         "graphs": sum(s.graph_count() for s in subs),
         "pool_bytes": sum(s.pool_bytes() for s in subs),
         "piecewise": piecewise_stats(subs),

@@ -37,12 +37,12 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from .. import stats
-from .._torch_compat import aot_mutated_inputs, pointers_equal, pytree, sym_expr
+from .._torch_compat import aot_mutated_inputs, is_fake, pointers_equal, pytree, sym_expr
 from ..bucketing.pool import ShapeBucketPool
 from ..fallbacks import Fallback, FallsBack, Reason
 from ..padding.fx import trace_graph
@@ -54,8 +54,8 @@ from .compiler import compile_graph
 from .options import BackendOptions
 from .plan import GraphPlan, analyze, fx_mutated_inputs
 
-__all__ = ["CompiledSubgraph", "SubgraphState", "live_subgraphs", "compile_counts", "register_subgraph",
-           "count_compile"]
+__all__ = ["CompiledSubgraph", "SubgraphState", "Analysis", "live_subgraphs", "compile_counts",
+           "register_subgraph", "count_compile", "analysis_seconds"]
 
 
 class SubgraphState(enum.Enum):
@@ -63,6 +63,14 @@ class SubgraphState(enum.Enum):
     GRAPHED = "graphed"  # compiled, served through bucket pools
     TREES = "trees"  # needs autograd: compiled with inductor's CUDA-graph trees (forward and backward)
     UNGRAPHED = "ungraphed"  # compiled, called directly (reason in CompiledSubgraph.reason)
+
+
+class Analysis(NamedTuple):
+    """A subgraph's row analysis: what it was given besides the graph, and what it found. It pickles:
+    a saved frame carries its analysis to the process that loads it."""
+
+    given: tuple[Any, ...]
+    verdict: RowVerdict
 
 
 @dataclass
@@ -83,18 +91,24 @@ class CompiledSubgraph(FallsBack):
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], opts: BackendOptions, *,
                  compiled: Callable[..., Any] | None = None, role: str = "whole",
-                 compile_inputs: list[Any] | None = None) -> None:
+                 compile_inputs: list[Any] | None = None, analysis: Analysis | None = None) -> None:
         """``compiled``: the function to serve instead of compiling ``gm`` (the piecewise backend's
         split module, run as one full graph); ``role``: ``"whole"``, or ``"full"`` for a graph that
         holds splitting ops (decode frames of a piecewise compile), shown in the backend's stats;
         ``compile_inputs``: what the compiler gets instead of ``example_inputs`` (a saved frame's own
-        fake values, whose symbolic sizes dynamo's fake mode would have given the real ones)."""
+        fake values, whose symbolic sizes dynamo's fake mode would have given the real ones);
+        ``analysis``: the row analysis of this same graph made in another process (a saved frame's),
+        used where it was made for the same inputs (:attr:`analysis`), else made again."""
         self.opts = opts
         self._compile_inputs = compile_inputs
         self.role = role
         self.calls = 0  # counted by the backend's entry point
         self._precompiled = compiled
+        t0 = time.perf_counter()
         self.plan: GraphPlan = analyze(gm, example_inputs, batch_dim=opts.batch_dim)
+        self._analysis_seconds = time.perf_counter() - t0
+        self._given_analysis = analysis
+        self.analysis: Analysis | None = None  # (what the row analysis was given, its verdict), set at compile
         self._gm: torch.fx.GraphModule | None = gm
         self._lock = threading.RLock()
         self._fn: Callable[..., Any] = gm.forward  # the traced graph as it is, until compiled
@@ -127,6 +141,7 @@ class CompiledSubgraph(FallsBack):
             if s.varies and s.kind in ("batched", "owned", "batch_like")]
         self._key_parts += [(i, _CONST) for i in p.indices("const")]
         self.buckets = self._choose_buckets()
+        _registry.count_analysis(self._analysis_seconds)
         # a subgraph with collectives decides with the other ranks whether to graph (its pools agree too)
         self._ranks: RankSession | None = (opts.process_group.session("gfxgraph backend subgraph")
                                            if opts.process_group is not None and p.collectives else None)
@@ -149,7 +164,8 @@ class CompiledSubgraph(FallsBack):
         assert gm is not None
         fx_mutated = fx_mutated_inputs(gm)
         if self.opts.graphs:  # before compiling: the graph as dynamo traced it
-            self.verdict = self._row_analysis(gm, args)
+            self.analysis = self._row_analysis(gm, args)
+            self.verdict = self.analysis.verdict
         trees = self._precompiled is None and self._wants_trees()
         t0 = time.perf_counter()
         if self._precompiled is not None:
@@ -191,8 +207,9 @@ class CompiledSubgraph(FallsBack):
         return (p.requires_grad and o.graphs and o.compiler != "eager" and not p.collectives
                 and not (probe().graphs_available and p.devices != {"cuda"}))
 
-    def _row_analysis(self, gm: torch.fx.GraphModule, args: list[Any]) -> RowVerdict:
-        """Whether the graph's rows are independent, from the graph itself run on fake tensors (no user code)."""
+    def _row_analysis(self, gm: torch.fx.GraphModule, args: list[Any]) -> Analysis:
+        """Whether the graph's rows are independent, from the graph itself run on fake tensors (no user
+        code), or the given analysis of this graph where it was made for the same inputs."""
         p, bd = self.plan, self.opts.batch_dim
         symbols = set() if p.batch_symbol is None else {p.batch_symbol}
         for s in p.slots:
@@ -202,8 +219,31 @@ class CompiledSubgraph(FallsBack):
                 if e is not None:
                     symbols.add(e)
         lo, hi = p.batch_range
-        return trace_graph(gm, args, batched={i: bd for i in self._batched_idx}, refs=self._ref_idx,
-                           symbols=symbols, lo=lo, hi=hi)
+        batched = {i: bd for i in self._batched_idx}
+        # everything the verdict depends on besides the graph (the CPU scalars' values gate branches)
+        given = (tuple(batched.items()), tuple(self._ref_idx), tuple(sorted(map(str, symbols))), lo, hi,
+                 tuple((i, a.item()) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.dim() == 0
+                       and a.device.type == "cpu" and not is_fake(a)))
+        if self._given_analysis is not None and self._given_analysis.given == given:
+            return self._given_analysis
+        t0 = time.perf_counter()
+        verdict = trace_graph(gm, args, batched=batched, refs=self._ref_idx, symbols=symbols, lo=lo, hi=hi)
+        _registry.count_analysis(time.perf_counter() - t0)
+        return Analysis(given, verdict)
+
+    @property
+    def lazy_calls(self) -> int:
+        """Calls served by the traced graph while the subgraph waits (LAZY) for ``static_compile_after``."""
+        return self._lazy_calls
+
+    def analyse_ahead(self, args: list[Any]) -> Analysis | None:
+        """The row analysis a LAZY subgraph will need when it compiles, made now for ``args`` (a saved
+        frame made when saving, so that the file holds it); the compile reuses it where its own call's
+        inputs give the same analysis inputs. None where the graph is compiled already or graphs are off."""
+        with self._lock:
+            if self.state is SubgraphState.LAZY and self._gm is not None and self.opts.graphs:
+                self.analysis = self._given_analysis = self._row_analysis(self._gm, args)
+            return self.analysis
 
     def _why_ungraphed(self, mutated: frozenset[int], failure: str) -> Fallback | None:
         p, o = self.plan, self.opts
@@ -537,6 +577,7 @@ class _Registry:
         self.live: weakref.WeakSet[CompiledSubgraph] = weakref.WeakSet()
         self.compiles = 0
         self.compile_seconds = 0.0
+        self.analysis_seconds = 0.0  # the plan and the row analysis (gfxgraph's own one-time cost)
 
     def add(self, sub: Any) -> None:
         with self.lock:
@@ -546,6 +587,10 @@ class _Registry:
         with self.lock:
             self.compiles += 1
             self.compile_seconds += seconds
+
+    def count_analysis(self, seconds: float) -> None:
+        with self.lock:
+            self.analysis_seconds += seconds
 
     def subgraphs(self) -> list[CompiledSubgraph]:
         with self.lock:
@@ -568,6 +613,12 @@ def register_subgraph(sub: Any) -> None:
 def count_compile(seconds: float) -> None:
     """Count one compilation that took ``seconds`` in the backend's process totals."""
     _registry.count_compile(seconds)
+
+
+def analysis_seconds() -> float:
+    """Seconds this process spent analysing subgraphs (input plans and row analyses)."""
+    with _registry.lock:
+        return _registry.analysis_seconds
 
 
 def compile_counts() -> tuple[int, float]:

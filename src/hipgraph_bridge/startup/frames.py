@@ -8,8 +8,9 @@ frame's bytecode, its guards, and what the backend returned); a process that
 loads the file runs no dynamo at all. :func:`save_compiled` traces ``fn`` that
 way through the gfxgraph backend and writes the file; :func:`load_compiled`
 reads it back. What the file holds for the backend is the FX graph dynamo
-traced and the backend's options, not compiled kernels: at its first call the
-loaded function compiles the graph with inductor, whose FX graph and
+traced, the backend's options and gfxgraph's row analysis of the graph (made
+when saving, used by the same gfxgraph code only), not compiled kernels: at
+its first call the loaded function compiles the graph with inductor, whose FX graph and
 AOTAutograd caches (local, or :func:`.cache.load` on a new machine) then hit,
 and captures the batch buckets as any compiled function does (warm them all
 with :func:`~hipgraph_bridge.startup.warmup`).
@@ -48,9 +49,12 @@ files you trust. Needs torch >= 2.10 (``NotImplementedError`` before).
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import os
 import pickle
 import threading
+import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -59,9 +63,10 @@ import torch
 
 from .._torch_compat import (aot_compile_frame, compiled_frame_admits, compiled_frame_bytes, compiled_frame_code,
                              constant_symbols, has_aot_precompile, load_compiled_frame, make_serializable,
-                             maybe_mark_dynamic, pickle_graph, pytree, size_oblivious_tracing,
-                             tracing_with, unpickle_graph)
+                             maybe_mark_dynamic, pickle_graph, pytree, size_oblivious_tracing, sym_expr,
+                             sym_hint, tracing_with, unpickle_graph)
 from ..compile.backend import serve
+from ..compile.subgraph import Analysis
 from ..compile.options import BackendOptions
 from ..errors import ConfigError
 from ..log import logger
@@ -81,10 +86,12 @@ class SavedFrame:
     values, so inductor's and AOTAutograd's cache keys are those of the process that saved it.
     """
 
-    def __init__(self, graph: bytes, options: Mapping[str, Any], one_frame: bool) -> None:
+    def __init__(self, graph: bytes, options: Mapping[str, Any], one_frame: bool,
+                 analysis: Analysis | None = None) -> None:
         self._graph = graph
         self._options = dict(options)
         self._one_frame = one_frame  # traced without the 0/1 specialisation: compiled so too
+        self._analysis = analysis  # the row analysis the saving process made: not made again where it applies
         self._run: Callable[..., Any] | None = None
         self._failed: BaseException | None = None  # a compile that failed: raised again, not repeated
         self._lock = threading.Lock()
@@ -92,9 +99,13 @@ class SavedFrame:
     @classmethod
     def serialize_compile_artifacts(cls, fn: SavedFrame) -> bytes:
         """What a saved frame file holds for the backend (torch's ``SerializableCallable``): the pickled
-        graph, the options, the torch version that traced it."""
+        graph, the options, the torch version that traced it, and the graph's row analysis where the
+        frame was compiled before it was saved (with the gfxgraph version that made it)."""
+        run = fn._run
+        made = getattr(getattr(run, "subgraph", None), "analysis", None) if run is not None else None
         return pickle.dumps({"format": _FORMAT, "torch": torch.__version__, "graph": fn._graph,
-                             "options": fn._options, "one_frame": fn._one_frame})
+                             "options": fn._options, "one_frame": fn._one_frame,
+                             "analysis": made or fn._analysis, "gfxgraph": _code_version()})
 
     @classmethod
     def deserialize_compile_artifacts(cls, data: bytes) -> SavedFrame:
@@ -104,7 +115,16 @@ class SavedFrame:
             raise RuntimeError(f"gfxgraph: this compiled frame was saved by PyTorch {state.get('torch')} (format "
                                f"{state.get('format')}); this is PyTorch {torch.__version__} (format {_FORMAT}): "
                                f"save it again with gfxgraph.cache.save_compiled in this environment")
-        return cls(state["graph"], state["options"], state["one_frame"])
+        # another gfxgraph may analyse differently: its analysis is not taken
+        analysis = state.get("analysis") if state.get("gfxgraph") == _code_version() else None
+        frame = cls(state["graph"], state["options"], state["one_frame"], analysis)
+        twin = _compiled_here.get(frame._key())
+        if twin is not None:  # save_compiled compiled this frame in this process: served by that compile
+            frame._run, frame._failed = twin._run, twin._failed
+        return frame
+
+    def _key(self) -> bytes:
+        return hashlib.sha256(self._graph + pickle.dumps((self._options, self._one_frame))).digest()
 
     def __call__(self, *args: Any) -> Any:
         run = self._run
@@ -136,7 +156,7 @@ class SavedFrame:
         before = constant_symbols(fake_mode)
         with tracing_with(fake_mode), (size_oblivious_tracing() if self._one_frame
                                        else contextlib.nullcontext()):
-            run = serve(gm, list(args), opts, compile_inputs=fakes)
+            run = serve(gm, list(args), opts, compile_inputs=fakes, analysis=self._analysis)
         fixed = {k: v for k, v in constant_symbols(fake_mode).items() if k not in before}
         if fixed:  # the saved guards admit other sizes, which the compiled code would refuse
             raise RuntimeError(f"gfxgraph: compiling the saved frame fixed its symbolic size(s) {fixed}: the "
@@ -145,11 +165,32 @@ class SavedFrame:
         return run
 
 
-def _saving_backend(options: Mapping[str, Any], one_frame: bool) -> Callable[..., SavedFrame]:
+# the frames save_compiled compiled in this process, by graph and options: the same frames read back from its
+# file (what save_compiled returns) use their compile instead of compiling again
+_compiled_here: weakref.WeakValueDictionary[bytes, SavedFrame] = weakref.WeakValueDictionary()
+
+
+@functools.cache
+def _code_version() -> str:
+    """A hash of this gfxgraph's Python sources: an analysis made by other code is made again."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(f.relative_to(root).as_posix().encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _saving_backend(options: Mapping[str, Any], one_frame: bool,
+                    made: list[tuple[SavedFrame, list[Any]]]) -> Callable[..., SavedFrame]:
+    """The backend that saves: each frame it returns is appended to ``made`` with the real inputs dynamo
+    gave it (symbolic sizes as their traced values), which compile it as the frame's first call would."""
     make_serializable(SavedFrame)
 
     def gfxgraph_saved(gm: torch.fx.GraphModule, example_inputs: Any, **_: Any) -> SavedFrame:
-        return SavedFrame(pickle_graph(gm), options, one_frame)  # pickled before anything compiles or changes it
+        frame = SavedFrame(pickle_graph(gm), options, one_frame)  # pickled before anything compiles or changes it
+        made.append((frame, [a if sym_expr(a) is None else sym_hint(a) for a in example_inputs]))
+        return frame
 
     gfxgraph_saved.compiler_name = "gfxgraph"  # type: ignore[attr-defined]
     return gfxgraph_saved
@@ -171,7 +212,8 @@ def save_compiled(path: str | os.PathLike[str], fn: Callable[..., Any], *example
     as a second frame. Saving runs under the caller's grad mode and is for inference: a tensor that
     requires grad under grad mode is refused (``NotImplementedError``). Torch's own errors pass through
     (a graph break: ``fullgraph`` is required; a module held in a closure, with a hint after it: it must
-    be an argument). The file is written whole or not at all. Cost: one dynamo trace per frame.
+    be an argument). The file is written whole or not at all. Cost: one dynamo trace and one compile
+    per frame (the compile its first call would make; the file then holds the frame's row analysis).
     """
     given = dict(options or {})
     opts = BackendOptions.from_mapping(given)  # ConfigError now, not at the next process's first call
@@ -198,7 +240,8 @@ def save_compiled(path: str | os.PathLike[str], fn: Callable[..., Any], *example
                                      static=static, fresh=True)
     for t in batched_leaves(wide_args, wide_kwargs, batch_dim, static):
         maybe_mark_dynamic(t, batch_dim)
-    backend = _saving_backend(given, one_frame)
+    made: list[tuple[SavedFrame, list[Any]]] = []
+    backend = _saving_backend(given, one_frame, made)
     with _hinted("save"), size_oblivious_tracing() if one_frame else contextlib.nullcontext():
         frames = [aot_compile_frame(fn, backend, wide_args, wide_kwargs)]
     one_args, one_kwargs = resized(example_args, example_kwargs, 1, rows=rows, batch_dim=batch_dim, static=static,
@@ -208,6 +251,14 @@ def save_compiled(path: str | os.PathLike[str], fn: Callable[..., Any], *example
         # scaled_dot_product_attention on torch 2.11): batch 1 gets a frame of its own, as torch.compile would
         with _hinted("save"):
             frames.append(aot_compile_frame(fn, backend, one_args, one_kwargs))
+    for frame, inputs in made:  # compiled now, as its first call would: the file holds the row analysis
+        try:
+            run = frame._build(tuple(inputs))
+            run.subgraph.analyse_ahead(inputs)  # a frame that compiles at a later call (batch 1): analysed now
+        except Exception as exc:  # remembered: the frame's first call raises it again
+            logger.info("gfxgraph: a frame saved to %s did not compile (%s: %s); saved without its analysis",
+                        path, type(exc).__name__, exc)
+        _compiled_here[frame._key()] = frame
     with _hinted("save"):
         saved = [compiled_frame_bytes(f) for f in frames]
     data = pickle.dumps({"gfxgraph_frames": _FORMAT, "torch": torch.__version__,

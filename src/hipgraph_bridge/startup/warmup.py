@@ -137,7 +137,7 @@ def _warm_compiled(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
             if i == 0 and b > 1 and not getattr(fn, "traced_ahead", False):  # a loaded frame's guards refuse marks
                 for t in _batched(call_args, call_kwargs, b, batch_dim, static):
                     maybe_mark_dynamic(t, batch_dim)
-            lazy = _lazy_frames()
+            lazy = _lazy_calls()
             # the first call traces the frame every later size reuses, and compiles it (a dynamic frame
             # compiles in its first call: torch reads backed_size_oblivious then, so a compile put off to a
             # later call would run without it)
@@ -146,8 +146,10 @@ def _warm_compiled(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
             # a frame dynamo specialised for this size (size 1 always) runs its traced graph eagerly until
             # its static_compile_after-th call: call again until it is compiled and captured
             for _ in range(_LAZY_RETRIES if torch.cuda.is_available() else 0):  # no GPU: nothing to capture
-                if _lazy_frames() <= lazy:
+                now = _lazy_calls()
+                if not any(n > lazy.get(k, 0) for k, n in now.items()):  # this size ran no waiting frame
                     break
+                lazy = now
                 fn(*call_args, **call_kwargs)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
@@ -164,9 +166,10 @@ def _warm_compiled(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
 _LAZY_RETRIES = 4  # above BackendOptions' default static_compile_after (2): a frame compiles by then
 
 
-def _lazy_frames() -> int:
-    """Subgraphs of the backend that still run their traced graph uncompiled (waiting for more calls)."""
-    return sum(s.state is SubgraphState.LAZY for s in live_subgraphs())
+def _lazy_calls() -> dict[int, int]:
+    """The backend's subgraphs that still run their traced graph uncompiled (waiting for more calls), with
+    the calls each has served (a frame compiled ahead, as a saved one is, may wait before this warm-up)."""
+    return {id(s): s.lazy_calls for s in live_subgraphs() if s.state is SubgraphState.LAZY}
 
 
 def _announce(report: WarmupReport, progress: bool) -> None:
