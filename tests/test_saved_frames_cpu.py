@@ -288,3 +288,39 @@ def test_warmup_compiles_a_saved_batch_1_frame_that_waited_since_it_was_saved(tm
         gfxgraph.warmup(g, model, x, buckets=[1, 2, 4, 8], progress=False)
     assert all(s.state is not SubgraphState.LAZY for s in _new_subgraphs(before)), \
         [(s.state, s.lazy_calls) for s in _new_subgraphs(before)]
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 4)
+        self.register_buffer("scale", torch.linspace(0.5, 2.0, 4))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def test_a_loading_process_reads_the_buffers_in_place_as_the_saving_one_and_reuses_its_row_analysis(
+        tmp_path, monkeypatch):
+    import hipgraph_bridge.compile.subgraph as sg
+    import hipgraph_bridge.startup.frames as frames
+
+    torch.manual_seed(0)
+    model, x = _Scaled(), torch.randn(5, 8)
+    with torch.no_grad():
+        gfxgraph.cache.save_compiled(tmp_path / "s", _step, model, x, options={"compiler": "eager"})
+    assert _torch_compat.static_address_type(model.scale) is not None  # dynamo marked the buffer while tracing
+    # as a new process: no compile made here, the buffer unmarked (no dynamo runs there)
+    monkeypatch.setattr(frames, "_compiled_here", type(frames._compiled_here)())
+    del model.scale._dynamo_static_input_type
+    analyses = []
+    traced = sg.trace_graph
+    monkeypatch.setattr(sg, "trace_graph", lambda *a, **k: analyses.append(1) or traced(*a, **k))
+    before = {id(s) for s in live_subgraphs()}
+    with torch.no_grad():
+        g = gfxgraph.cache.load_compiled(tmp_path / "s")
+        torch.testing.assert_close(g(model, x), _step(model, x))
+    (sub,) = _new_subgraphs(before)
+    assert [s.name for s in sub.plan.slots if s.kind == "ref"] == [
+        s.name for s in sub.plan.slots if "scale" in s.name or "lin" in s.name]  # the buffer is read in place
+    assert analyses == []  # the saved analysis was made for the same inputs: not made again

@@ -29,6 +29,8 @@ MODE_LABELS = {
     "floor": "weight-streaming floor",
     "device": "gfxgraph DeviceDecodeLoop (EOS on the device)",
     "piecewise": 'compile(backend="gfxgraph", piecewise)',
+    "backend-regions": 'compile(backend="gfxgraph"), layers one region',
+    "backend-saved": "saved frame (cache.save_compiled, load_compiled)",
 }
 # prompt-length bins of the prefill chart (the prefill suite's)
 _PREFILL_BINS = ((1, 64), (65, 128), (129, 256), (257, 512), (513, 1024))
@@ -396,8 +398,10 @@ def _nonempty(panels: tuple) -> tuple:
 def startup_charts(doc: dict[str, Any]) -> list[Chart]:
     """Seconds to the first graphed call per contender, cold beside warm (the start-up suite's runs)."""
     res = doc.get("results", {})
+    order = ("pool", "backend", "backend-regions", "backend-saved", "reduce-overhead")  # then any other, as run
+    rank = {c: i for i, c in enumerate(order)}
     bars = []
-    for name, r in res.items():
+    for name, r in sorted(res.items(), key=lambda kv: rank.get(kv[0].rpartition(" ")[0], len(order))):
         contender, _, phase = name.rpartition(" ")
         if isinstance(r, dict) and isinstance(r.get("to_first_call_s"), (int, float)):
             bars.append((f"{MODE_LABELS.get(contender, contender)}, {phase}", contender, float(r["to_first_call_s"])))

@@ -16,7 +16,7 @@ __all__ = ["draw", "WIDTH_IN", "DPI"]
 WIDTH_IN, DPI = 8.0, 100  # 800 px wide
 _COLOURS = {"eager": "#7f7f7f", "hand": "#1f77b4", "pool": "#2a9d8f", "backend": "#e76f51",
             "reduce-overhead": "#8e44ad", "default": "#b08d57", "floor": "#222222",
-            "device": "#d62728", "piecewise": "#f4a261"}
+            "device": "#d62728", "piecewise": "#f4a261", "backend-regions": "#e9c46a", "backend-saved": "#c1121f"}
 # overlapping pairs (pool on hand-captured, backend on reduce-overhead) stay visible: the second of
 # each pair is dashed with a larger hollow marker around the first's filled one
 _STYLE = {"eager": ("-", "o", True), "hand": ("--", "s", False), "pool": ("-", "o", True),

@@ -290,6 +290,14 @@ def sym_range(example: Any, symbol: Any) -> tuple[int, int | None]:
 
 
 # ------------------------------------------------------------------ dynamo and inductor
+def mark_static_address_type(t: torch.Tensor, kind: Any) -> None:
+    """Give ``t`` dynamo's static-address mark ``kind`` (``"guarded"``/``"unguarded"``), as dynamo marks a
+    module's buffers while it traces (a process that loads a saved frame runs no dynamo)."""
+    from torch._dynamo import mark_static_address  # heavy: only a loaded frame gets here
+
+    mark_static_address(t, guard=kind == "guarded")
+
+
 def static_address_type(t: torch.Tensor) -> Any:
     """Dynamo's static-address mark of ``t`` (parameters, buffers, ``mark_static_address``), or None."""
     try:

@@ -220,7 +220,16 @@ def main() -> None:
                    help="comma-separated contenders whose warm process runs once more, after their phases, under "
                         "cProfile: the raw profile is kept beside the JSON and its functions with the most "
                         "cumulative time go into it (a diagnostic: no figure comes from it)")
+    p.add_argument("--refigure", default=None, metavar="JSON",
+                   help="recompute the figures of a startup.json from its results with this version's rules (no "
+                        "GPU); written to --out with the environment and results of the run that measured them")
     args = p.parse_args()
+    if args.refigure:
+        run = json.loads(open(args.refigure).read())
+        extra = {k: v for k, v in run.items() if k not in ("benchmark", "environment", "figures")}
+        write(args.out, "startup", figures(run["results"]), {**extra, "refigured": "figures recomputed from these results (--refigure)"},
+              env=run["environment"])
+        return
     if args.child:
         res = child(args.child, args.phase, args.blob, float(args.spawned))
         with open(args.result, "w") as f:

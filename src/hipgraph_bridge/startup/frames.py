@@ -63,8 +63,8 @@ import torch
 
 from .._torch_compat import (aot_compile_frame, compiled_frame_admits, compiled_frame_bytes, compiled_frame_code,
                              constant_symbols, has_aot_precompile, load_compiled_frame, make_serializable,
-                             maybe_mark_dynamic, pickle_graph, pytree, size_oblivious_tracing, sym_expr,
-                             sym_hint, tracing_with, unpickle_graph)
+                             mark_static_address_type, maybe_mark_dynamic, pickle_graph, pytree, size_oblivious_tracing,
+                             static_address_type, sym_expr, sym_hint, tracing_with, unpickle_graph)
 from ..compile.backend import serve
 from ..compile.subgraph import Analysis
 from ..compile.options import BackendOptions
@@ -87,11 +87,14 @@ class SavedFrame:
     """
 
     def __init__(self, graph: bytes, options: Mapping[str, Any], one_frame: bool,
-                 analysis: Analysis | None = None) -> None:
+                 analysis: Analysis | None = None, statics: Mapping[int, Any] | None = None) -> None:
         self._graph = graph
         self._options = dict(options)
         self._one_frame = one_frame  # traced without the 0/1 specialisation: compiled so too
         self._analysis = analysis  # the row analysis the saving process made: not made again where it applies
+        # inputs dynamo marked static-address while tracing (a module's buffers), by position: marked again in
+        # a process that loads the frame, so that the graph reads them in place there too
+        self._statics = dict(statics or {})
         self._run: Callable[..., Any] | None = None
         self._failed: BaseException | None = None  # a compile that failed: raised again, not repeated
         self._lock = threading.Lock()
@@ -105,7 +108,8 @@ class SavedFrame:
         made = getattr(getattr(run, "subgraph", None), "analysis", None) if run is not None else None
         return pickle.dumps({"format": _FORMAT, "torch": torch.__version__, "graph": fn._graph,
                              "options": fn._options, "one_frame": fn._one_frame,
-                             "analysis": made or fn._analysis, "gfxgraph": _code_version()})
+                             "analysis": made or fn._analysis, "gfxgraph": _code_version(),
+                             "statics": fn._statics})
 
     @classmethod
     def deserialize_compile_artifacts(cls, data: bytes) -> SavedFrame:
@@ -117,7 +121,7 @@ class SavedFrame:
                                f"save it again with gfxgraph.cache.save_compiled in this environment")
         # another gfxgraph may analyse differently: its analysis is not taken
         analysis = state.get("analysis") if state.get("gfxgraph") == _code_version() else None
-        frame = cls(state["graph"], state["options"], state["one_frame"], analysis)
+        frame = cls(state["graph"], state["options"], state["one_frame"], analysis, state.get("statics"))
         twin = _compiled_here.get(frame._key())
         if twin is not None:  # save_compiled compiled this frame in this process: served by that compile
             frame._run, frame._failed = twin._run, twin._failed
@@ -146,6 +150,9 @@ class SavedFrame:
 
     def _compile(self, args: tuple[Any, ...]) -> Callable[..., Any]:
         """The graph compiled for its symbolic sizes, under the setting it was traced with."""
+        for i, kind in self._statics.items():
+            if isinstance(args[i], torch.Tensor) and static_address_type(args[i]) is None:
+                mark_static_address_type(args[i], kind)
         gm, fake_mode = unpickle_graph(self._graph)
         opts = BackendOptions.from_mapping(self._options)
         fakes = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
@@ -188,7 +195,9 @@ def _saving_backend(options: Mapping[str, Any], one_frame: bool,
     make_serializable(SavedFrame)
 
     def gfxgraph_saved(gm: torch.fx.GraphModule, example_inputs: Any, **_: Any) -> SavedFrame:
-        frame = SavedFrame(pickle_graph(gm), options, one_frame)  # pickled before anything compiles or changes it
+        statics = {i: static_address_type(a) for i, a in enumerate(example_inputs) if isinstance(a, torch.Tensor)
+                   and not isinstance(a, torch.nn.Parameter) and static_address_type(a) is not None}
+        frame = SavedFrame(pickle_graph(gm), options, one_frame, statics=statics)  # pickled before anything changes it
         made.append((frame, [a if sym_expr(a) is None else sym_hint(a) for a in example_inputs]))
         return frame
 
