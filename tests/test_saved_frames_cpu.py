@@ -62,7 +62,8 @@ def test_a_loaded_frame_traces_nothing_hits_inductors_cache_and_gives_the_saved_
     assert warm["hits"]["fx_graph_miss"] == 0 and warm["hits"]["fx_graph_hit"] >= 1, warm["hits"]
     assert warm["subgraphs"] == 2
     # the row analysis made when saving travels in the file: the same verdicts, none made again
-    assert cold["analyses"] >= 1 and warm["analyses"] == 0 and warm["verdicts"] == cold["verdicts"], (cold, warm)
+    # cold: one per frame, when saving (batch 1's ahead of its compile, which takes it)
+    assert cold["analyses"] == 2 and warm["analyses"] == 0 and warm["verdicts"] == cold["verdicts"], (cold, warm)
     assert "RowVerdict(reason=None" in " ".join(warm["verdicts"])  # the symbolic frame's rows: proven independent
     assert warm["y"] == cold["y"]  # batch 1 included: one frame serves every size
     for n, want in warm["ref"].items():
@@ -104,9 +105,9 @@ def test_batch_1_gets_a_frame_of_its_own_unless_one_frame_admits_it(tmp_path):
                                          one_frame=True)
         torch.testing.assert_close(h(model, x[:4]), _step(model, x[:4]))  # traced at batch 1: every size
     buckets = sorted(s.buckets for s in _new_subgraphs(before))
-    # g: a symbolic frame from 2 (0/1 specialised) and a batch-1 frame; `again` and h: every size (f is
-    # never called, so its graph is never compiled)
-    assert buckets[0] == [1] and [b[0] for b in buckets[1:]] == [1, 1, 2], buckets
+    # g: a symbolic frame from 2 (0/1 specialised) and a batch-1 frame; f (compiled when saved, never called),
+    # `again` (f's file read back: compiled at its first call) and h: every size
+    assert buckets[0] == [1] and [b[0] for b in buckets[1:]] == [1, 1, 1, 2], buckets
     assert all(b[-1] == 256 for b in buckets[1:]), buckets
 
 
@@ -303,16 +304,14 @@ class _Scaled(torch.nn.Module):
 def test_a_loading_process_reads_the_buffers_in_place_as_the_saving_one_and_reuses_its_row_analysis(
         tmp_path, monkeypatch):
     import hipgraph_bridge.compile.subgraph as sg
-    import hipgraph_bridge.startup.frames as frames
 
     torch.manual_seed(0)
     model, x = _Scaled(), torch.randn(5, 8)
     with torch.no_grad():
         gfxgraph.cache.save_compiled(tmp_path / "s", _step, model, x, options={"compiler": "eager"})
     assert _torch_compat.static_address_type(model.scale) is not None  # dynamo marked the buffer while tracing
-    # as a new process: no compile made here, the buffer unmarked (no dynamo runs there)
-    monkeypatch.setattr(frames, "_compiled_here", type(frames._compiled_here)())
-    del model.scale._dynamo_static_input_type
+    # as a new process: the buffer unmarked (no dynamo runs there); load_compiled takes no compile of save_compiled's
+    _torch_compat.unmark_static_address(model.scale)
     analyses = []
     traced = sg.trace_graph
     monkeypatch.setattr(sg, "trace_graph", lambda *a, **k: analyses.append(1) or traced(*a, **k))
@@ -324,3 +323,36 @@ def test_a_loading_process_reads_the_buffers_in_place_as_the_saving_one_and_reus
     assert [s.name for s in sub.plan.slots if s.kind == "ref"] == [
         s.name for s in sub.plan.slots if "scale" in s.name or "lin" in s.name]  # the buffer is read in place
     assert analyses == []  # the saved analysis was made for the same inputs: not made again
+
+
+def test_an_analysis_made_for_other_inputs_is_made_again(monkeypatch):
+    import hipgraph_bridge.compile.subgraph as sg
+    from hipgraph_bridge.compile.options import BackendOptions
+    from hipgraph_bridge.fallbacks import Reason
+    from hipgraph_bridge.padding.rows import RowVerdict
+
+    analyses = []
+    traced = sg.trace_graph
+    monkeypatch.setattr(sg, "trace_graph", lambda *a, **k: analyses.append(1) or traced(*a, **k))
+    gm = torch.fx.symbolic_trace(lambda x: torch.relu(x) + 1)
+    opts = BackendOptions.from_mapping({"compiler": "eager", "static_compile_after": 1})
+    x = torch.randn(4, 3)
+    stale = sg.Analysis(("made for other inputs",), RowVerdict(Reason.ROWS_COUPLED, "not this graph's", ()))
+    sub = sg.CompiledSubgraph(gm, [x], opts, analysis=stale)
+    assert analyses == [1] and sub.verdict is not None and sub.verdict.reason is None  # made again: rows independent
+    again = sg.CompiledSubgraph(gm, [x], opts, analysis=sub.analysis)  # the same inputs: taken as it is
+    assert analyses == [1] and again.verdict == sub.verdict
+
+
+def test_saving_keeps_nothing_of_the_model_alive_once_the_returned_function_is_gone(tmp_path):
+    import gc
+    import weakref
+
+    model, x = _Scaled(), torch.randn(5, 8)
+    with torch.no_grad():
+        f = gfxgraph.cache.save_compiled(tmp_path / "s", _step, model, x, options={"compiler": "eager"})
+        f(model, x)
+    weight = weakref.ref(model.lin.weight)
+    del f, model
+    gc.collect()
+    assert weight() is None

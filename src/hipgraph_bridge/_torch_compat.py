@@ -298,6 +298,12 @@ def mark_static_address_type(t: torch.Tensor, kind: Any) -> None:
     mark_static_address(t, guard=kind == "guarded")
 
 
+def unmark_static_address(t: torch.Tensor) -> None:
+    """Drop dynamo's static-address mark from ``t`` (as a tensor of a process where dynamo never ran)."""
+    if hasattr(t, "_dynamo_static_input_type"):
+        del t._dynamo_static_input_type
+
+
 def static_address_type(t: torch.Tensor) -> Any:
     """Dynamo's static-address mark of ``t`` (parameters, buffers, ``mark_static_address``), or None."""
     try:

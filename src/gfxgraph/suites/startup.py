@@ -31,8 +31,9 @@ Targets (issue 27) beside each figure.
 
 Bytecode: every child reads compiled bytecode, as after a ``pip install`` (which byte-compiles what it
 installs). Before the contenders the parent byte-compiles the packages the children import (torch,
-transformers, their heavy dependencies, gfxgraph) into one folder (``PYTHONPYCACHEPREFIX``), and the
-children may write to it (``PYTHONDONTWRITEBYTECODE`` dropped). Without this, an environment that sets
+transformers, their heavy dependencies, gfxgraph) into one folder (``PYTHONPYCACHEPREFIX``), which the
+children read and do not write (``PYTHONDONTWRITEBYTECODE``), so no contender's figures depend on
+which ran before it. Without this, an environment that sets
 ``PYTHONDONTWRITEBYTECODE`` over sources installed without bytecode (the H200 we measure on) makes every
 process compile torch's Python sources again: 6.8 s of a profiled warm process.
 """
@@ -53,7 +54,7 @@ from typing import Any
 
 import torch
 
-from gfxgraph.suites._common import child_env, figure, parser, write
+from gfxgraph.suites._common import child_env, environment, figure, parser, write
 from hipgraph_bridge._torch_compat import compile_profile, compile_time_seconds, maybe_mark_dynamic
 
 BUCKETS_36 = sorted([1, 2, 4, 8, 12, *range(16, 257, 8)])
@@ -117,7 +118,8 @@ def child(contender: str, phase: str, blob: str, spawned: float) -> dict[str, An
                 saved = gfxgraph.cache.save_compiled(frame, decode_step, model, ids, pos)  # traced at batch 8
             else:
                 saved = gfxgraph.cache.load_compiled(frame)
-            out["trace_or_load_s"] = time.time() - t_load  # dynamo's trace and the write, or the read
+            # dynamo's trace, the compile (save_compiled compiles each frame) and the write; or the read
+            out["trace_or_load_s"] = time.time() - t_load
 
             def run(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
                 return saved(model, ids, pos)
@@ -176,15 +178,17 @@ def _bytecode(folder: str) -> dict[str, Any]:
             dirs.extend(spec.submodule_search_locations)
     t = time.time()
     done = subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", *dirs],
-                          env=_bytecode_env(child_env(), folder), capture_output=True, text=True)
+                          env=_bytecode_env(child_env(), folder, write=True), capture_output=True, text=True)
     # files written for another Python (torch's py312-only test helpers) do not compile: counted, not fatal
     return {"prefix": folder, "packages": dirs, "seconds": time.time() - t,
             "files_not_compiled": done.stdout.count("*** Error compiling")}
 
 
-def _bytecode_env(env: dict[str, str], folder: str) -> dict[str, str]:
+def _bytecode_env(env: dict[str, str], folder: str, *, write: bool = False) -> dict[str, str]:
     env = {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"}
     env["PYTHONPYCACHEPREFIX"] = folder
+    if not write:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
     return env
 
 
@@ -227,8 +231,9 @@ def main() -> None:
     if args.refigure:
         run = json.loads(open(args.refigure).read())
         extra = {k: v for k, v in run.items() if k not in ("benchmark", "environment", "figures")}
-        write(args.out, "startup", figures(run["results"]), {**extra, "refigured": "figures recomputed from these results (--refigure)"},
-              env=run["environment"])
+        write(args.out, "startup", figures(run["results"]),
+              {**extra, "refigured": "figures recomputed from these results (--refigure)"},
+              env=run.get("environment") or {})
         return
     if args.child:
         res = child(args.child, args.phase, args.blob, float(args.spawned))
@@ -237,6 +242,9 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         raise SystemExit("startup: needs a CUDA or ROCm GPU")
+    unknown = sorted(set(filter(None, args.profile.split(","))) - set(args.contenders.split(",")))
+    if unknown:
+        raise SystemExit(f"startup: --profile names {', '.join(unknown)}, which --contenders does not run")
     runs: dict[str, dict[str, Any]] = {}
     profiles: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -258,13 +266,14 @@ def main() -> None:
                 _keep_partial(args.out, runs, profiles)
     write(args.out, "startup", figures(runs), {"method": __doc__, "bytecode": bytecode, "results": runs,
                                                "warm_profiles": profiles})
+    os.remove(os.path.join(args.out, "startup.partial.json"))  # startup.json holds it all
 
 
 def _keep_partial(out: str, runs: dict[str, Any], profiles: dict[str, Any]) -> None:
     """The runs so far, in ``out/startup.partial.json``: they survive a parent killed by a time limit."""
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "startup.partial.json"), "w") as f:
-        json.dump({"results": runs, "warm_profiles": profiles}, f, default=str)
+        json.dump({"environment": environment(), "results": runs, "warm_profiles": profiles}, f, default=str)
 
 
 def _top_functions(stats_file: str, n: int = 45) -> list[str]:
@@ -287,7 +296,7 @@ def figures(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                            r["to_first_call_s"], None, None, "s",
                            note=f"imports {r['import_s']:.1f} s, warm-up {r['warmup_s']:.1f} s"
                                 f" (inside it: compile {r.get('compile_s', float('nan')):.1f} s"
-                                + (f", frame traced or loaded {r['trace_or_load_s']:.1f} s"
+                                + (f", frame saved (traced and compiled) or loaded {r['trace_or_load_s']:.1f} s"
                                    if "trace_or_load_s" in r else "")
                                 + "), graph memory "
                                 f"{r['graph_bytes'] / 2**20:.0f} MiB, fx-graph cache hits/misses "

@@ -108,7 +108,8 @@ class CompiledSubgraph(FallsBack):
         self.plan: GraphPlan = analyze(gm, example_inputs, batch_dim=opts.batch_dim)
         self._analysis_seconds = time.perf_counter() - t0
         self._given_analysis = analysis
-        self.analysis: Analysis | None = None  # (what the row analysis was given, its verdict), set at compile
+        # (what the row analysis was given, its verdict): set at compile, or ahead of it (analyse_ahead)
+        self.analysis: Analysis | None = None
         self._gm: torch.fx.GraphModule | None = gm
         self._lock = threading.RLock()
         self._fn: Callable[..., Any] = gm.forward  # the traced graph as it is, until compiled

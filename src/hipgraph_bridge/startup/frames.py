@@ -49,12 +49,12 @@ files you trust. Needs torch >= 2.10 (``NotImplementedError`` before).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import hashlib
 import os
 import pickle
 import threading
-import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -81,9 +81,10 @@ _FORMAT = 2  # the layout of SavedFrame's bytes
 class SavedFrame:
     """What the backend hands dynamo for a frame that is saved: the traced FX graph and the options.
 
-    It compiles and serves the graph at its first call (:func:`~hipgraph_bridge.compile.backend.serve`,
-    as the backend does when dynamo calls it), under a tracing context holding the graph's own fake
-    values, so inductor's and AOTAutograd's cache keys are those of the process that saved it.
+    It compiles and serves the graph (:func:`~hipgraph_bridge.compile.backend.serve`, as the backend
+    does when dynamo calls it) when it is saved, and in a process that loads it at its first call,
+    under a tracing context holding the graph's own fake values, so inductor's and AOTAutograd's cache
+    keys are those of the process that saved it.
     """
 
     def __init__(self, graph: bytes, options: Mapping[str, Any], one_frame: bool,
@@ -103,27 +104,34 @@ class SavedFrame:
     def serialize_compile_artifacts(cls, fn: SavedFrame) -> bytes:
         """What a saved frame file holds for the backend (torch's ``SerializableCallable``): the pickled
         graph, the options, the torch version that traced it, and the graph's row analysis where the
-        frame was compiled before it was saved (with the gfxgraph version that made it)."""
+        frame was compiled before it was saved (pickled apart, with a hash of the code that made it: another
+        gfxgraph reads the frame without it, whatever its classes became)."""
         run = fn._run
         made = getattr(getattr(run, "subgraph", None), "analysis", None) if run is not None else None
+        analysis = made or fn._analysis
         return pickle.dumps({"format": _FORMAT, "torch": torch.__version__, "graph": fn._graph,
-                             "options": fn._options, "one_frame": fn._one_frame,
-                             "analysis": made or fn._analysis, "gfxgraph": _code_version(),
+                             "options": fn._options, "one_frame": fn._one_frame, "gfxgraph": _code_version(),
+                             "analysis": None if analysis is None else pickle.dumps(analysis),
                              "statics": fn._statics})
 
     @classmethod
     def deserialize_compile_artifacts(cls, data: bytes) -> SavedFrame:
-        """The frame's backend part back, uncompiled (``RuntimeError`` if another torch saved it)."""
+        """The frame's backend part back (``RuntimeError`` if another torch saved it); uncompiled, unless
+        :func:`save_compiled` is reading back the frame it has just compiled in this process."""
         state = pickle.loads(data)
         if state.get("format") != _FORMAT or state.get("torch") != torch.__version__:
             raise RuntimeError(f"gfxgraph: this compiled frame was saved by PyTorch {state.get('torch')} (format "
                                f"{state.get('format')}); this is PyTorch {torch.__version__} (format {_FORMAT}): "
                                f"save it again with gfxgraph.cache.save_compiled in this environment")
-        # another gfxgraph may analyse differently: its analysis is not taken
-        analysis = state.get("analysis") if state.get("gfxgraph") == _code_version() else None
+        analysis = None
+        if state.get("analysis") is not None and state.get("gfxgraph") == _code_version():
+            try:  # another gfxgraph may analyse differently: its analysis is not taken
+                analysis = pickle.loads(state["analysis"])
+            except Exception as exc:
+                logger.debug("gfxgraph: a saved frame's row analysis did not read back (%s); made again", exc)
         frame = cls(state["graph"], state["options"], state["one_frame"], analysis, state.get("statics"))
-        twin = _compiled_here.get(frame._key())
-        if twin is not None:  # save_compiled compiled this frame in this process: served by that compile
+        twin = (_saving.get() or {}).get(frame._key())
+        if twin is not None:  # save_compiled compiled this frame just now: served by that compile
             frame._run, frame._failed = twin._run, twin._failed
         return frame
 
@@ -172,14 +180,16 @@ class SavedFrame:
         return run
 
 
-# the frames save_compiled compiled in this process, by graph and options: the same frames read back from its
-# file (what save_compiled returns) use their compile instead of compiling again
-_compiled_here: weakref.WeakValueDictionary[bytes, SavedFrame] = weakref.WeakValueDictionary()
+# while save_compiled reads back the file it wrote (what it returns): the frames it compiled, by graph and
+# options, whose compile the frames read back take instead of compiling again (this call's, this context's)
+_saving: contextvars.ContextVar[dict[bytes, SavedFrame] | None] = contextvars.ContextVar("gfxgraph_saving",
+                                                                                      default=None)
 
 
 @functools.cache
 def _code_version() -> str:
-    """A hash of this gfxgraph's Python sources: an analysis made by other code is made again."""
+    """A hash of the Python sources of ``hipgraph_bridge`` (where the analysis lives): an analysis made by
+    other code is made again."""
     root = Path(__file__).resolve().parent.parent
     h = hashlib.sha256()
     for f in sorted(root.rglob("*.py")):
@@ -211,8 +221,8 @@ def save_compiled(path: str | os.PathLike[str], fn: Callable[..., Any], *example
                   **example_kwargs: Any) -> Callable[..., Any]:
     """Trace ``fn`` on the example with the gfxgraph backend, write its frames to ``path``, return them.
 
-    Returns the function to call in this process (the same one :func:`load_compiled` gives in the next:
-    it compiles at its first call, then serves graphs). ``options``: the backend's options
+    Returns the function to call in this process (the same one :func:`load_compiled` gives in the next,
+    already compiled here; there it compiles at its first call), which serves graphs. ``options``: the backend's options
     (``torch.compile(..., options=...)``), checked now; a ``process_group`` cannot be saved
     (``ConfigError``). ``batch_dim``/``static_args``: where the example's tensors carry the batch (marked
     dynamic before the trace). ``one_frame``: trace without the 0/1 specialisation so that one frame
@@ -263,11 +273,15 @@ def save_compiled(path: str | os.PathLike[str], fn: Callable[..., Any], *example
     for frame, inputs in made:  # compiled now, as its first call would: the file holds the row analysis
         try:
             run = frame._build(tuple(inputs))
-            run.subgraph.analyse_ahead(inputs)  # a frame that compiles at a later call (batch 1): analysed now
         except Exception as exc:  # remembered: the frame's first call raises it again
-            logger.info("gfxgraph: a frame saved to %s did not compile (%s: %s); saved without its analysis",
-                        path, type(exc).__name__, exc)
-        _compiled_here[frame._key()] = frame
+            logger.warning("gfxgraph: a frame saved to %s did not compile (%s: %s); its calls will raise this",
+                           path, type(exc).__name__, exc)
+            continue
+        try:
+            run.subgraph.analyse_ahead(inputs)  # a frame that compiles at a later call (batch 1): analysed now
+        except Exception as exc:  # its compile analyses it then
+            logger.warning("gfxgraph: the row analysis of a frame saved to %s failed (%s: %s); saved without it",
+                           path, type(exc).__name__, exc)
     with _hinted("save"):
         saved = [compiled_frame_bytes(f) for f in frames]
     data = pickle.dumps({"gfxgraph_frames": _FORMAT, "torch": torch.__version__,
@@ -275,7 +289,14 @@ def save_compiled(path: str | os.PathLike[str], fn: Callable[..., Any], *example
     target = write_whole(path, data)
     logger.info("gfxgraph: saved %d compiled frame(s) of %s to %s (%d bytes)", len(frames),
                 getattr(fn, "__qualname__", fn), target, len(data))
-    return _load(data, _globals_of(fn), str(target))
+    # the frames read back are served by the compiles made above; `made` (dynamo keeps the backend, which holds
+    # it, and it holds the model's tensors) is emptied so that nothing here outlives the returned function
+    token = _saving.set({frame._key(): frame for frame, _ in made})
+    try:
+        return _load(data, _globals_of(fn), str(target))
+    finally:
+        _saving.reset(token)
+        made.clear()
 
 
 def load_compiled(path: str | os.PathLike[str], *, f_globals: dict[str, Any] | None = None) -> Callable[..., Any]:
