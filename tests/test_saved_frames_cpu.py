@@ -268,6 +268,10 @@ def test_a_row_analysis_travels_with_its_frame_only_to_the_same_gfxgraph_code(mo
     assert SavedFrame.deserialize_compile_artifacts(data)._analysis == made
     monkeypatch.setattr(frames, "_code_version", lambda: "another gfxgraph")  # changed code may analyse otherwise
     assert SavedFrame.deserialize_compile_artifacts(data)._analysis is None
+    # a file saved before frames held an analysis and static marks still reads
+    old = {k: v for k, v in pickle.loads(data).items() if k not in ("analysis", "gfxgraph", "statics")}
+    frame = SavedFrame.deserialize_compile_artifacts(pickle.dumps(old))
+    assert frame._analysis is None and frame._statics == {}
 
 
 def test_warmup_compiles_a_saved_batch_1_frame_that_waited_since_it_was_saved(tmp_path, monkeypatch):
