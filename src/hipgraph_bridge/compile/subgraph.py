@@ -106,7 +106,7 @@ class CompiledSubgraph(FallsBack):
         self._precompiled = compiled
         t0 = time.perf_counter()
         self.plan: GraphPlan = analyze(gm, example_inputs, batch_dim=opts.batch_dim)
-        self._analysis_seconds = time.perf_counter() - t0
+        _registry.count_analysis(time.perf_counter() - t0)
         self._given_analysis = analysis
         # (what the row analysis was given, its verdict): set at compile, or ahead of it (analyse_ahead)
         self.analysis: Analysis | None = None
@@ -142,7 +142,6 @@ class CompiledSubgraph(FallsBack):
             if s.varies and s.kind in ("batched", "owned", "batch_like")]
         self._key_parts += [(i, _CONST) for i in p.indices("const")]
         self.buckets = self._choose_buckets()
-        _registry.count_analysis(self._analysis_seconds)
         # a subgraph with collectives decides with the other ranks whether to graph (its pools agree too)
         self._ranks: RankSession | None = (opts.process_group.session("gfxgraph backend subgraph")
                                            if opts.process_group is not None and p.collectives else None)
@@ -238,9 +237,9 @@ class CompiledSubgraph(FallsBack):
         return self._lazy_calls
 
     def analyse_ahead(self, args: list[Any]) -> Analysis | None:
-        """The row analysis a LAZY subgraph will need when it compiles, made now for ``args`` (a saved
-        frame made when saving, so that the file holds it); the compile reuses it where its own call's
-        inputs give the same analysis inputs. None where the graph is compiled already or graphs are off."""
+        """The subgraph's row analysis: for a LAZY one, made now for ``args`` (a saved frame's, when saving,
+        so that the file holds it), which its compile reuses where its own call's inputs give the same
+        analysis inputs; for a compiled one, its compile's. None where graphs are off."""
         with self._lock:
             if self.state is SubgraphState.LAZY and self._gm is not None and self.opts.graphs:
                 self.analysis = self._given_analysis = self._row_analysis(self._gm, args)

@@ -106,12 +106,9 @@ class SavedFrame:
         graph, the options, the torch version that traced it, and the graph's row analysis where the
         frame was compiled before it was saved (pickled apart, with a hash of the code that made it: another
         gfxgraph reads the frame without it, whatever its classes became)."""
-        run = fn._run
-        made = getattr(getattr(run, "subgraph", None), "analysis", None) if run is not None else None
-        analysis = made or fn._analysis
         return pickle.dumps({"format": _FORMAT, "torch": torch.__version__, "graph": fn._graph,
                              "options": fn._options, "one_frame": fn._one_frame, "gfxgraph": _code_version(),
-                             "analysis": None if analysis is None else pickle.dumps(analysis),
+                             "analysis": None if fn._analysis is None else pickle.dumps(fn._analysis),
                              "statics": fn._statics})
 
     @classmethod
@@ -205,8 +202,9 @@ def _saving_backend(options: Mapping[str, Any], one_frame: bool,
     make_serializable(SavedFrame)
 
     def gfxgraph_saved(gm: torch.fx.GraphModule, example_inputs: Any, **_: Any) -> SavedFrame:
-        statics = {i: static_address_type(a) for i, a in enumerate(example_inputs) if isinstance(a, torch.Tensor)
-                   and not isinstance(a, torch.nn.Parameter) and static_address_type(a) is not None}
+        marks = {i: static_address_type(a) for i, a in enumerate(example_inputs)
+                 if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter)}
+        statics = {i: kind for i, kind in marks.items() if kind is not None}
         frame = SavedFrame(pickle_graph(gm), options, one_frame, statics=statics)  # pickled before anything changes it
         made.append((frame, [a if sym_expr(a) is None else sym_hint(a) for a in example_inputs]))
         return frame
@@ -277,8 +275,8 @@ def save_compiled(path: str | os.PathLike[str], fn: Callable[..., Any], *example
             logger.warning("gfxgraph: a frame saved to %s did not compile (%s: %s); its calls will raise this",
                            path, type(exc).__name__, exc)
             continue
-        try:
-            run.subgraph.analyse_ahead(inputs)  # a frame that compiles at a later call (batch 1): analysed now
+        try:  # its compile's analysis, or one made now for a frame that compiles at a later call (batch 1)
+            frame._analysis = run.subgraph.analyse_ahead(inputs)
         except Exception as exc:  # its compile analyses it then
             logger.warning("gfxgraph: the row analysis of a frame saved to %s failed (%s: %s); saved without it",
                            path, type(exc).__name__, exc)
