@@ -12,10 +12,21 @@ from hipgraph_bridge import _torch_compat as tc
 def test_describe_names_every_path():
     paths = tc.describe()
     assert set(paths) == {"torch", "replay", "check_input_liveness", "graph_exit_frame", "pool_release",
-                          "weak_outputs", "raw_stream", "pointer_check", "saved_frames"}
+                          "weak_outputs", "raw_stream", "pointer_check", "saved_frames", "input_copies"}
     assert paths["torch"] == torch.__version__
     assert paths["saved_frames"] == ("aot_compile" if tc.has_aot_precompile else "unavailable (torch < 2.10)")
     assert paths["graph_exit_frame"] is True  # torch.cuda.graph.__exit__(self, *args) on every supported torch
+    assert paths["input_copies"] == "torch._foreach_copy_"  # every supported torch (2.6+) has it
+
+
+@pytest.mark.parametrize("copy", [tc.copy_all, tc._copy_each])
+def test_copy_all_copies_each_pair_whatever_its_dtype(copy):
+    dsts = [torch.zeros(2, 3), torch.zeros(4, dtype=torch.long), torch.zeros(()), torch.zeros(5, 2)[1:3]]
+    srcs = [torch.randn(2, 3), torch.arange(4), torch.tensor(7.0), torch.randn(2, 2)]
+    views = [d for d in dsts]
+    copy(dsts, srcs)
+    for d, v, s in zip(dsts, views, srcs):
+        assert d is v and torch.equal(d, s.to(d.dtype))
 
 
 @pytest.mark.skipif(GPU_SKIP_REASON is None, reason="the CPU build's paths")
