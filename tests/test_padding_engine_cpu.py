@@ -71,6 +71,8 @@ class _Capturer:
 
 
 class _Order:
+    raw = None  # CallOrder's handle of the previous call's stream (none on the CPU)
+
     def after_previous(self, device: int | None = None) -> None:
         pass
 
@@ -263,8 +265,48 @@ def test_a_new_generation_sends_the_closure_to_the_checked_call(graphs, monkeypa
     pool, io, spy = _zero_copy_pool(graphs, monkeypatch)
     for _ in range(2):
         _run(io, torch.randn(5, 4))
-    pool._engine.generation += 1  # what a recapture or a refusal does
+    pool._engine._next_generation()  # what a recapture, a refusal or a close does
     before = spy.checked
     x = torch.randn(5, 4)
     torch.testing.assert_close(_run(io, x), torch.tanh(x) * 2)
     assert spy.checked == before + 1
+
+
+def test_the_fast_call_copies_every_argument_in_with_one_dispatch(graphs, monkeypatch):
+    def model(ids, pos, scale):
+        return ids.float() * scale + pos
+
+    pool = graphs(model, [4], static_args=[2], copy_outputs=True)
+    spy = _Spy(pool, monkeypatch)
+    calls = []
+    real = engine_mod.copy_all
+    monkeypatch.setattr(engine_mod, "copy_all", lambda d, s: (calls.append(len(d)), real(d, s)))
+    for i in range(4):
+        ids, pos = torch.randint(0, 9, (4, 2)), torch.randn(4, 2)
+        scale = torch.tensor(float(i + 1))
+        torch.testing.assert_close(pool(ids, pos, scale), ids.float() * scale + pos)
+    # the first call captures; the next three take the fast call, each with one copy of all three tensors
+    assert calls == [3, 3, 3] and spy.replays >= 3
+
+
+def test_a_static_io_of_a_checked_size_replays_from_its_first_run(graphs, monkeypatch):
+    pool, _, spy = _zero_copy_pool(graphs, monkeypatch)
+    _run(pool.static_io(5), torch.randn(5, 4))  # installs the fast call of 5 rows
+    before = spy.checked
+    io = pool.static_io(5)
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(_run(io, x), torch.tanh(x) * 2)
+    assert spy.checked == before
+
+
+def test_a_run_taken_before_the_first_call_forwards_to_the_fast_one(graphs, monkeypatch):
+    pool = graphs(lambda x: torch.tanh(x) * 2, [8], copy_outputs=False)
+    spy = _Spy(pool, monkeypatch)
+    pool(torch.randn(8, 4))
+    io = pool.static_io(3)  # no call of 3 rows yet: the checked call comes first
+    run = io.run
+    for _ in range(4):
+        x = torch.randn(3, 4)
+        io.args[0].copy_(x)
+        torch.testing.assert_close(run(), torch.tanh(x) * 2)
+    assert spy.checked == 1  # the first; the others forward to the closure it installed

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 
 from .. import config, stats
-from .._torch_compat import pytree, raw_stream_of
+from .._torch_compat import copy_all, pytree, raw_stream_of
 from ..fallbacks import Fallback, Reason
 from ..graph.buckets import BucketTable
 from ..graph.capture import record_on_current_stream
@@ -93,7 +93,8 @@ class FastCall:
     generation: int
     batch: int
     padded: bool  # the bucket is larger than the batch and its padding is filled per call: it must be clean
-    copies: tuple[tuple[torch.Tensor, int], ...]  # (static view, leaf index) per tensor argument
+    dsts: tuple[torch.Tensor, ...]  # the static view of each tensor argument
+    sources: tuple[int, ...]  # and the index of its leaf in the call
     graph: Any  # the bucket's SafeCUDAGraph, replayed through its replay_parts() (valid with the generation)
     parts: tuple[Any, ...]
     # the graph's device: a replay launches on that device's current stream (CUDAGraph::replay guards it)
@@ -101,7 +102,8 @@ class FastCall:
     outputs: tuple[Any, ...]  # the static outputs sliced to the batch
     tree: Any  # those outputs as the call returns them uncopied (None: rebuild each call)
     rebuild: Callable[[list[Any]], Any]
-    engine: Callable[[], Any]  # weak reference to the engine (a zero-copy call's fast path checks it)
+    engine: Callable[[], Any]  # weak reference to the engine
+    live: list[bool]  # the engine's cell of this generation: [False] once it moves on (zero-copy's one check)
 
     def result(self, copy: bool) -> Any:
         if copy:
@@ -115,30 +117,32 @@ class FastCall:
         """A zero-copy call of this batch size on ``inputs`` (the caller wrote the rows): the replay and
         its checks, or ``slow()`` (the checked call) when this fast call no longer applies. None when
         the outputs are not one fixed tree (they are rebuilt per call, off this path)."""
-        engine_ref, gen, batch, padded, tree, graph = (self.engine, self.generation, self.batch, self.padded,
-                                                        self.tree, self.graph)
+        batch, padded, tree, graph, live = self.batch, self.padded, self.tree, self.graph, self.live
         launch, tick, mask, record = self.parts
-        engine = engine_ref()
-        if engine is None or tree is None:
+        engine = self.engine()
+        if engine is None or tree is None or not live[0] or engine.inputs is not inputs:
             return None
         lock, order = engine.lock, engine.order
-        # weakly, as FastCall does: the engine holds this FastCall (the StaticIO holds the pool anyway,
+        # no reference to the engine: it holds this FastCall (the StaticIO holds the pool anyway,
         # through its checked call, so the pool lives as long as the StaticIO)
         del engine
-        stream_of, device, now = raw_stream_of, self.device, time.perf_counter_ns
+        acquire, release, device, now = lock.acquire, lock.release, self.device, time.perf_counter_ns
+        # without a handle read, every call orders (after_previous; -1 never equals its None)
+        stream_of = raw_stream_of if raw_stream_of is not None else (lambda device: -1)
 
-        # Every check runs under the pool's lock, so a concurrent call that recaptures (and moves the
-        # generation) is seen; the stream check is a handle comparison (CallOrder.after_previous on a
-        # change). The launch is SafeCUDAGraph.replay's own, inlined: each frame here is ~5% of the call.
+        # Every check runs under the pool's lock, so a concurrent call that recaptures or closes (which
+        # clears ``live``, as every move of the engine's generation does) is seen; the stream check is a
+        # handle comparison (CallOrder.after_previous on a change). The launch is SafeCUDAGraph.replay's
+        # own, inlined. On a slow host each bytecode counts against a ~3 us launch: acquire/release
+        # cost half of a ``with`` block, and one cell read replaces the engine's generation check.
         def run() -> Any:
-            with lock:
-                e = engine_ref()
-                if e is None or e.generation != gen or e.inputs is not inputs or config.switches.checked \
-                        or (padded and inputs.dirty > batch):
+            acquire()
+            try:
+                if not live[0] or config.switches.checked or (padded and inputs.dirty > batch):
                     return slow()
                 if inputs.dirty < batch:
                     inputs.dirty = batch
-                if stream_of is None or stream_of(device) != order.raw:
+                if stream_of(device) != order.raw:
                     order.after_previous(device)
                 if tick() & mask:
                     launch(graph)
@@ -147,6 +151,8 @@ class FastCall:
                     launch(graph)
                     record(now() - t0)
                 return tree
+            finally:
+                release()
 
         return run
 
@@ -213,18 +219,26 @@ class BucketEngine:
         self.inputs: StaticInputs | None = None
         self.order = CallOrder()
         self.generation = 0  # moves whenever a key's table changes or the pool is closed (the fast calls' check)
+        self.live = [True]  # this generation's cell, cleared when it moves (a zero-copy closure reads only this)
         self.fast: dict[int, FastCall] = {}  # batch -> its checked call, for the key of no constants
         self._given = verdict
         self._training = training_layers(model_fn)
         self._no_gpu = Fallback(Reason.NO_GPU, probe().reason or "")
+
+    def _next_generation(self) -> None:
+        """Invalidate every fast call (ordinary and zero-copy) taken so far."""
+        self.live[0] = False
+        self.live = [True]
+        self.generation += 1
 
     # ------------------------------------------------------------------ the call
     def call(self, inputs: StaticInputs, leaves: list[Any], batch: int, args: tuple[Any, ...],
              kwargs: dict[str, Any], copy: bool) -> Any:
         """Answer one call (module docstring); ``copy`` overrides ``copy_outputs``.
 
-        Cost once a batch size's graph is checked (no constant arguments): a dict lookup, one copy per
-        tensor argument, the stream check, the replay, the output views (cloned when ``copy``).
+        Cost once a batch size's graph is checked (no constant arguments): a dict lookup, one dispatch
+        copying every tensor argument in (one launch per dtype), the stream check, the replay, the
+        output views (cloned when ``copy``).
         """
         fast = self.fast.get(batch)
         if fast is not None and fast.generation == self.generation and not (fast.padded and inputs.dirty > batch) \
@@ -232,10 +246,11 @@ class BucketEngine:
             order = self.order
             if raw_stream_of is None or raw_stream_of(fast.device) != order.raw:
                 order.after_previous(fast.device)  # before the copies: the previous call may still read them
-            for dst, i in fast.copies:
-                src = leaves[i]
-                if src is not dst:
-                    dst.copy_(src)
+            dsts = fast.dsts
+            if len(dsts) > 1:  # one dispatch (one launch per dtype) for all of them
+                copy_all(dsts, [leaves[i] for i in fast.sources])
+            elif dsts and leaves[fast.sources[0]] is not dsts[0]:
+                dsts[0].copy_(leaves[fast.sources[0]])
             if inputs.dirty < batch:
                 inputs.dirty = batch
             launch, tick, mask, record = fast.parts
@@ -263,13 +278,14 @@ class BucketEngine:
             return
         layout = entry.layout
         views, tree = layout.views(entry.outputs, batch)
-        copies = tuple((dst, i) for dst, i, _ in inputs.plan(batch, bucket))
-        device = copies[0][0].device.index if copies and copies[0][0].device.index is not None else 0
+        plan = inputs.plan(batch, bucket)
+        dsts, sources = tuple(dst for dst, _, _ in plan), tuple(i for _, i, _ in plan)
+        device = dsts[0].device.index if dsts and dsts[0].device.index is not None else 0
         # padding filled once (pad_value=None) is never refilled: a larger call before does not stop this one
         filled = batch < bucket and inputs.policy is FillPolicy.ALWAYS
-        self.fast[batch] = FastCall(self.generation, batch, filled, copies, entry.graph,
+        self.fast[batch] = FastCall(self.generation, batch, filled, dsts, sources, entry.graph,
                                     entry.graph.replay_parts(), device, tuple(views),
-                                    tree, layout.rebuild, weakref.ref(self))
+                                    tree, layout.rebuild, weakref.ref(self), self.live)
 
     def _call(self, inputs: StaticInputs, leaves: list[Any], batch: int, args: tuple[Any, ...],
               kwargs: dict[str, Any], copy: bool) -> Any:
@@ -371,7 +387,7 @@ class BucketEngine:
             refusal = _UNKNOWN_OUTPUTS
         refusal = self.decider.agree_padding(len(self.keys), refusal)
         ks.decided, ks.padded, ks.refusal, ks.provisional = True, refusal is None, refusal, False
-        self.generation += 1
+        self._next_generation()
         asked = (o.stateful and refusal is not None and refusal.reason == Reason.STATEFUL) or o.rows_independent is False
         if refusal is not None and self.opts.buckets[-1] > 1 and not asked:  # what the caller asked for is no news
             stats.record_fallback(refusal)
@@ -577,7 +593,7 @@ class BucketEngine:
 
     def _refuse(self, ks: KeyState, why: Fallback) -> None:
         ks.decided, ks.padded, ks.refusal, ks.provisional = True, False, why, False
-        self.generation += 1
+        self._next_generation()
         stats.record_fallback(why)
 
     # ------------------------------------------------------------------ without a GPU
@@ -627,10 +643,11 @@ class BucketEngine:
         if captured.fallback is not None:
             logger.warning("gfxgraph: %s: %s runs eagerly: %s", self.what, f"bucket {bucket}", captured.fallback)
 
-    def fast_io(self, batch: int, out: Any) -> FastCall | None:
-        """A zero-copy call's fast path for ``batch`` rows, once its graph answered ``out`` (else None)."""
+    def fast_io(self, batch: int, out: Any = MISSING) -> FastCall | None:
+        """A zero-copy call's fast path for ``batch`` rows (else None): once its graph answered ``out``
+        or, without ``out``, where a call of that size has already been checked."""
         fast = self.fast.get(batch)
-        if fast is None or fast.generation != self.generation or out is not fast.tree:
+        if fast is None or fast.generation != self.generation or (out is not MISSING and out is not fast.tree):
             return None
         return fast
 
@@ -648,4 +665,4 @@ class BucketEngine:
         self.inputs = None
         self.order.forget()
         self.capturer.release_pool()
-        self.generation += 1
+        self._next_generation()

@@ -309,7 +309,9 @@ class ShapeBucketPool:
             if inputs.layout.has_consts:
                 raise ValueError(f"static_io(): expected tensor arguments only, got the layout "
                                  f"{inputs.layout.describe()}; non-tensor arguments need the ordinary call")
-            return StaticIO(self._run_io, inputs, batch_size)
+            io = StaticIO(self._run_io, inputs, batch_size)
+            io.use(self._engine.fast_io(batch_size))  # a size already checked replays from the first run()
+            return io
 
     def _run_io(self, io: StaticIO) -> Any:
         """A zero-copy call off its fast path (:meth:`~.engine.FastCall.zero_copy`): the checked call on the views."""
@@ -466,6 +468,11 @@ class AgreedShapeBucketPool(ShapeBucketPool):
         out_leaves, spec = pytree.tree_flatten(out)
         return pytree.tree_unflatten([o.narrow(r.dim, 0, batch * r.inner) if r is not None else o
                                       for o, r in zip(out_leaves, rows)], spec)
+
+    def static_io(self, batch_size: int) -> StaticIO:
+        io = super().static_io(batch_size)
+        io.use(None)  # its first run, as every one, starts with the ranks' round
+        return io
 
     def _run_io(self, io: StaticIO) -> Any:
         self._decider.agree_batch(io.batch_size, exact=True)  # zero-copy views have fixed rows: every rank alike
