@@ -6,7 +6,9 @@ step graph (``device_generate.HandLoop``) is replayed ``--tokens`` times and ``S
 the kernels a graph launches, and those of a conditional node's body). Per kernel name: launches and
 microseconds per token in each, and the difference, largest first. device_generate's ``step_time``
 gives the loop's GPU time per token over its step graph's, ``tools/loop_costs.py`` what a synthetic body
-costs the loop; where a model's loop costs more than that, this says which kernels it is in.
+costs the loop; where a model's loop costs more than that, this says which kernels it is in. With
+``--sample`` the loop draws with one of device_generate's settings and the step graph is the step with the
+same draw (the greedy step graph's kernels are kept beside it).
 
     python tools/loop_profile.py --model llama-1.2b --out bench-out     # a GPU: JSON and a table
 """
@@ -23,7 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from gfxgraph.hf import StaticCacheDecoder
-from gfxgraph.suites.device_generate import NEW, PROMPT, HandLoop
+from gfxgraph.suites.device_generate import NEW, PROMPT, SAMPLING, HandLoop, _draw_step
 from gfxgraph.suites.llm_decode import build_model, prefill
 
 
@@ -48,6 +50,9 @@ def main() -> None:
     p.add_argument("--model", default="llama-1.2b")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--sample", default="", choices=["", *SAMPLING],
+                   help="a device_generate sampling setting: the loop draws with it, and its own step graph (the "
+                        "step and the same draw) is profiled beside the greedy one")
     p.add_argument("--out", default="bench-out")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -59,31 +64,48 @@ def main() -> None:
         hand = HandLoop(model, b, PROMPT + NEW + 8)
         hand.cache.reset()
         prefill(model, hand.cache, ids)
-        graph = kernel_us(lambda: [hand.graph.g.replay() for _ in range(n)], n)
+        # the step after the prompt, as the loop's first: a graph left with the zeros it was captured with would
+        # replay token 0 at position 0 (logits that need not be a decode step's)
+        hand.graph.ids.copy_(ids[:, -1:])
+        hand.graph.pos.fill_(PROMPT)
+        hand.graph.cp.fill_(PROMPT)
+        settings = SAMPLING.get(args.sample, {})
+        greedy = kernel_us(lambda: [hand.graph.g.replay() for _ in range(n)], n)
+        graph = greedy
+        if settings:  # the step and the loop's draw in one graph, fed the greedy graph's inputs
+            own = _draw_step(hand, settings)
+            for mine, theirs in ((own.ids, hand.graph.ids), (own.pos, hand.graph.pos), (own.cp, hand.graph.cp)):
+                mine.copy_(theirs)
+            hand.cache.reset()
+            prefill(model, hand.cache, ids)
+            graph = kernel_us(lambda: [own.g.replay() for _ in range(n)], n)
         dec = StaticCacheDecoder(model, max_cache_len=PROMPT + NEW + 8, device_loop=256)
-        dec.generate(ids, max_new_tokens=2, eos_token_id=None)  # captured
-        first = dec.generate(ids, max_new_tokens=1, eos_token_id=None)[:, 0]
+        dec.generate(ids, max_new_tokens=2, eos_token_id=None, **settings)  # captured
+        first = dec.generate(ids, max_new_tokens=1, eos_token_id=None, **settings)[:, 0]
         loop = dec._slots[b].loop  # noqa: SLF001 - the loop alone, without the decoder's prefill
         assert loop is not None
-        in_loop = kernel_us(lambda: loop.generate(first, ids.shape[1], max_new_tokens=n), n)
+        in_loop = kernel_us(lambda: loop.generate(first, ids.shape[1], max_new_tokens=n, **settings), n)
     names = set(graph) | set(in_loop)
     zero = {"launches_per_token": 0.0, "us_per_token": 0.0}
     diff = sorted(((k, in_loop.get(k, zero)["us_per_token"] - graph.get(k, zero)["us_per_token"]) for k in names),
                   key=lambda kv: -abs(kv[1]))
     total = {what: sum(r["us_per_token"] for r in rows.values()) for what, rows in (("graph", graph),
                                                                                     ("loop", in_loop))}
-    print(f"{args.model} bs {b}: kernel time per token, step graph {total['graph']:.1f} us, loop "
+    what = args.sample or "greedy"
+    print(f"{args.model} bs {b} {what}: kernel time per token, step graph {total['graph']:.1f} us, loop "
           f"{total['loop']:.1f} us; largest differences (loop - graph, us per token):")
     for name, d in diff[:15]:
         g, lp = graph.get(name, zero), in_loop.get(name, zero)
         print(f"  {d:+8.2f}  graph {g['us_per_token']:7.2f} ({g['launches_per_token']:.1f}x)  loop "
               f"{lp['us_per_token']:7.2f} ({lp['launches_per_token']:.1f}x)  {name}")
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"loop_profile_{args.model}_bs{b}.json")
+    tag = "" if not args.sample else "_" + args.sample.replace(" ", "_").replace(".", "")
+    path = os.path.join(args.out, f"loop_profile_{args.model}_bs{b}{tag}.json")
     with open(path, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
-                   "batch": b, "tokens": n, "method": __doc__, "total_us_per_token": total,
-                   "step_graph": graph, "loop": in_loop, "difference_us_per_token": dict(diff)}, f, indent=1)
+                   "batch": b, "tokens": n, "sampling": what, "method": __doc__,
+                   "total_us_per_token": total, "greedy_step_graph": greedy, "step_graph": graph, "loop": in_loop,
+                   "difference_us_per_token": dict(diff)}, f, indent=1)
     print(f"wrote {path}")
 
 

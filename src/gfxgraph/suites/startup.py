@@ -30,29 +30,38 @@ cache hits and misses, and the first call's tokens, compared between phases.
 Targets (issue 27) beside each figure.
 
 Bytecode: every child reads compiled bytecode, as after a ``pip install`` (which byte-compiles what it
-installs). Before the contenders the parent byte-compiles the packages the children import (torch,
-transformers, their heavy dependencies, gfxgraph) into one folder (``PYTHONPYCACHEPREFIX``), which the
-children read and do not write (``PYTHONDONTWRITEBYTECODE``), so no contender's figures depend on
-which ran before it. Without this, an environment that sets
+installs) on a Python whose standard library came with its bytecode. Before the contenders the parent
+byte-compiles everything a child can import (the standard library, every site-packages folder,
+gfxgraph's source; tests folders left out) into one folder (``PYTHONPYCACHEPREFIX``), which the children
+read and do not write (``PYTHONDONTWRITEBYTECODE``), so no contender's figures depend on which ran
+before it. With a prefix set Python reads bytecode only there (never from ``__pycache__``), so whatever
+the parent leaves out is compiled from source in every child. Without this, an environment that sets
 ``PYTHONDONTWRITEBYTECODE`` over sources installed without bytecode (the H200 we measure on) makes every
-process compile torch's Python sources again: 6.8 s of a profiled warm process.
+process compile torch's Python sources again: 6.8 s of a profiled warm process. Until 2026-12-06 the
+prefix held only the heavy packages (torch, transformers and their dependencies, gfxgraph), so every
+child still compiled the standard library and the smaller packages it imported: 1036 modules in a
+profiled warm ``backend-saved`` process on the H100.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import os
 import pstats
+import site
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from typing import Any
 
 import torch
+
+import gfxgraph
+import hipgraph_bridge
 
 from gfxgraph.suites._common import child_env, environment, figure, parser, write
 from hipgraph_bridge._torch_compat import compile_profile, compile_time_seconds, maybe_mark_dynamic
@@ -60,9 +69,6 @@ from hipgraph_bridge._torch_compat import compile_profile, compile_time_seconds,
 BUCKETS_36 = sorted([1, 2, 4, 8, 12, *range(16, 257, 8)])
 CONTENDERS = ("pool", "backend", "reduce-overhead", "backend-regions", "backend-saved")
 PORTABLE = ("backend", "backend-saved")  # the contenders with a portable phase (files from the cold process)
-# the packages whose bytecode the parent compiles before the contenders (what a child imports, heavy first)
-BYTECODE = ("torch", "transformers", "triton", "sympy", "sklearn", "scipy", "numpy", "networkx", "jinja2", "mpmath",
-            "safetensors", "huggingface_hub", "tokenizers", "tqdm", "gfxgraph", "hipgraph_bridge")
 FIRST_BATCH = 8  # the first call's batch size: a bucket every contender warmed (reduce-overhead records sizes)
 
 
@@ -74,7 +80,6 @@ def decode_step(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor) ->
 def child(contender: str, phase: str, blob: str, spawned: float) -> dict[str, Any]:
     """One contender's start-up in this (fresh) process, started at ``spawned`` (epoch seconds, the
     parent's clock before it started the interpreter); the measurements as a dict."""
-    import gfxgraph
     from gfxgraph.suites.call_overhead import build_llama  # transformers: this suite alone needs it
     from gfxgraph.suites.llm_decode import CONFIGS
 
@@ -169,18 +174,18 @@ class _CacheBypasses(logging.Handler):
 
 
 def _bytecode(folder: str) -> dict[str, Any]:
-    """Byte-compiles :data:`BYTECODE`'s installed packages into ``folder`` (the children's
-    ``PYTHONPYCACHEPREFIX``), all cores; what was compiled and how long it took."""
-    dirs = []
-    for name in BYTECODE:
-        spec = importlib.util.find_spec(name)  # found, not imported
-        if spec is not None and spec.submodule_search_locations:
-            dirs.extend(spec.submodule_search_locations)
+    """Byte-compiles everything a child can import into ``folder`` (the children's ``PYTHONPYCACHEPREFIX``),
+    all cores: the standard library, every site-packages folder and gfxgraph's source (tests folders left
+    out); what was compiled and how long it took."""
+    # the packages' own folders too: a checkout run with PYTHONPATH has them outside site-packages
+    dirs = [sysconfig.get_paths()["stdlib"], *site.getsitepackages(), site.getusersitepackages(),
+            *(os.path.dirname(os.path.dirname(os.path.abspath(m.__file__ or ""))) for m in (gfxgraph, hipgraph_bridge))]
+    dirs = sorted({d for d in dirs if os.path.isdir(d)})
     t = time.time()
-    done = subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", *dirs],
+    done = subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", "-x", r"[/\\]tests?[/\\]", *dirs],
                           env=_bytecode_env(child_env(), folder, write=True), capture_output=True, text=True)
     # files written for another Python (torch's py312-only test helpers) do not compile: counted, not fatal
-    return {"prefix": folder, "packages": dirs, "seconds": time.time() - t,
+    return {"prefix": folder, "folders": dirs, "seconds": time.time() - t,
             "files_not_compiled": done.stdout.count("*** Error compiling")}
 
 
