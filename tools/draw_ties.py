@@ -5,13 +5,21 @@ own top-``window`` list ends at the k-th value (its share may hold more ties tha
 every token ties (a pad token's zero embedding through a model without biases gives such a row), that is the
 whole vocabulary, twice. Eager calls on the 1.2B model's vocabulary (launch included).
 
-    python tools/draw_ties.py      # a GPU
+    python tools/draw_ties.py --out bench-out      # a GPU: JSON and the lines below
 """
+
+import argparse
+import json
+import os
 
 import torch
 
 from hipgraph_bridge.generation.sampling import SamplingParams, chooser
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("--out", default="bench-out")
+args = p.parse_args()
 v = 128256
+us: dict[str, float] = {}
 rows = {"random": torch.randn(1, v, device="cuda").bfloat16(),
         "all zero": torch.zeros(1, v, device="cuda", dtype=torch.bfloat16),
         "random, 1/8 tied at 0": torch.where(torch.rand(1, v, device="cuda") < 0.125, 0.0,
@@ -29,4 +37,9 @@ for name, logits in rows.items():
         ch(logits, seq, pos)
     b.record()
     torch.cuda.synchronize()
-    print(f"top-k 50 top-p 0.9 draw, {name}: {a.elapsed_time(b) / 50 * 1000:.1f} us per call (eager, launch included)")
+    us[name] = a.elapsed_time(b) / 50 * 1000
+    print(f"top-k 50 top-p 0.9 draw, {name}: {us[name]:.1f} us per call (eager, launch included)")
+os.makedirs(args.out, exist_ok=True)
+with open(os.path.join(args.out, "draw_ties.json"), "w") as f:
+    json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "vocab": v, "method": __doc__,
+               "us_per_call": us}, f, indent=1)
