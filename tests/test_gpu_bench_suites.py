@@ -104,3 +104,41 @@ def test_llm_decode_compile_modes_from_the_package(tmp_path: Path):
         assert case[mode]["max_abs_logit_diff"] <= 0.25, (mode, case[mode]["max_abs_logit_diff"])
     speed = charts(doc)[0].panels[0]
     assert {s.key for s in speed.series} >= {"eager", "hand", "pool", "backend", "reduce-overhead"}
+
+
+def test_the_hand_step_graph_of_a_draw_keeps_its_settings_alive():
+    """device_generate's own step graph of a sampling setting reads the draw's settings (temperature, k,
+    the Philox key) by address; once other tensors take the memory the allocator freed, its replays must
+    still draw what the chooser draws on the same logits (it did not while HandCaptured dropped the step)."""
+    pytest.importorskip("transformers")
+    import gc
+
+    import torch
+
+    from gfxgraph.suites.device_generate import SAMPLING, HandLoop, _draw_step
+    from gfxgraph.suites.llm_decode import build_model, prefill
+    from hipgraph_bridge.generation.sampling import SamplingParams, chooser
+
+    settings, b, n = SAMPLING["sample top-k 50 top-p 0.9"], 4, 8
+    model = build_model("llama-small")
+    ids = torch.randint(0, model.config.vocab_size, (b, n), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(3))
+    with torch.no_grad():
+        hand = HandLoop(model, b, 64)
+        own = _draw_step(hand, settings)
+        gc.collect()
+        junk = [torch.full((m,), 0x7F, dtype=torch.uint8, device="cuda") for m in range(1, 4096, 3)]
+        for g in (hand.graph, own):
+            g.ids.copy_(ids[:, -1:])
+            g.pos.fill_(n)
+            g.cp.fill_(n)
+        drawn = {}
+        for name, g in (("greedy", hand.graph), ("own", own)):
+            hand.cache.reset()
+            prefill(model, hand.cache, ids)
+            g.g.replay()
+            drawn[name] = (g.out[0] if name == "greedy" else g.out).clone()
+        expected = chooser(SamplingParams(**settings), model.config.vocab_size, "cuda")(
+            drawn["greedy"], torch.arange(b, device="cuda"), torch.full((), n, device="cuda"))
+        del junk
+    assert torch.equal(drawn["own"], expected), (drawn["own"].tolist(), expected.tolist())

@@ -127,6 +127,10 @@ class HandCaptured:
     """One torch.cuda.graph of the step with static inputs, written by hand."""
 
     def __init__(self, step: Callable[..., Any], b: int, start: int) -> None:
+        # The graph reads, by address, the tensors the step's closure holds (a draw's settings: temperature,
+        # k, the Philox key); were the step dropped after capture the allocator would hand their memory to
+        # other tensors and the replays would read whatever those hold.
+        self.step = step
         self.ids = torch.zeros(b, 1, dtype=torch.long, device="cuda")
         self.pos = torch.full((b, 1), start, dtype=torch.long, device="cuda")
         self.cp = torch.full((1,), start, dtype=torch.long, device="cuda")
