@@ -6,10 +6,11 @@ path (shares whose window ends at the k-th value) and the top-k draw is timed on
 graph of the draw alone, against random logits; both step graphs are timed whole.
 
 What it found (own_draw_check_h100_37a530e.json): the logits were ordinary and the draw alone took
-34 us, yet the sampling step graph ran 230-940 us slower than the greedy one. The cause was the
-benchmark's HandCaptured, which kept only the graph: the step's closure (the chooser's settings and the
-Philox key on the device) was freed after capture, and the replays read whatever the allocator had put
-in that memory since. HandCaptured now keeps the step (a GPU test in test_gpu_bench_suites.py).
+34 us, yet the sampling step graph ran 230-940 us slower than the greedy one. The likely cause, found by
+reading the code after that run: the benchmark's HandCaptured kept only the graph, so the step's closure
+(the chooser's settings and the Philox key on the device) was freed after capture, and the replays read
+whatever the allocator had put in that memory since. HandCaptured now keeps the step (a GPU test in
+test_gpu_bench_suites.py); neither has run on a GPU yet, so the cause is not yet confirmed.
 
     python tools/own_draw_check.py --out bench-out      # a GPU
 """
