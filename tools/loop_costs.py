@@ -8,6 +8,15 @@ graph, is replayed 256 times back to back behind a GPU sleep (the GPU's time, no
 The difference per iteration is what the loop costs: the conditional node, the bookkeeping kernel, and
 whatever a kernel costs more inside a conditional body than in a top-level graph.
 
+The 1.2B model's loop profile (``tools/loop_profile.py``) put the loop's extra time in the model's small
+kernels, most in those whose arguments are large (``CatArrayBatchedCopy``'s tensor table, ``reduce_kernel``'s
+ReduceOp, TensorIterator's offset calculators for strided operands) and least in cuBLAS's and in contiguous
+elementwise kernels (``tiny`` here, which shows no per-kernel cost). So three more small-kernel bodies with
+large arguments: ``cat`` (``torch.cat`` of four small tensors), ``mean`` (a row mean) and ``strided`` (an add
+on strided views), each at 64 and 256 kernels; and, for every body, the plain graph instantiated for device
+launch (``cudaGraphInstantiateFlagDeviceLaunch``, launched from the host as usual): if a body's kernels cost
+more there too, the cost comes with a graph the device may launch, not with the conditional node.
+
     python tools/loop_costs.py --out bench-out      # a GPU: JSON and a table
 """
 
@@ -22,14 +31,18 @@ from collections.abc import Callable
 import torch
 
 from gfxgraph.suites._common import capture_graph, gpu_ms_per_replay
+from hipgraph_bridge.compose.device_launch import instantiate_for_device
 from hipgraph_bridge.generation.device_loop import DeviceDecodeLoop
+from hipgraph_bridge.graph import SafeCUDAGraph
+from hipgraph_bridge.runtime import Graph
 
 TOKENS = 256
 
 
 def body(kind: str, n: int) -> Callable[[], None]:
-    """``n`` kernels of ``kind`` ("tiny": an add on 1024 floats; "linear": a linear layer and a scale, two
-    kernels each, on a (1, 2048) bf16 row)."""
+    """``n`` kernels of ``kind`` ("tiny": an add on 1024 floats; "cat": four (1, 256) bf16 rows concatenated;
+    "mean": a (1, 2048) float row's mean; "strided": an add of two strided (8, 128) float views; "linear": a
+    linear layer and a scale, two kernels each, on a (1, 2048) bf16 row)."""
     if kind == "tiny":
         buf = torch.zeros(1024, device="cuda")
 
@@ -37,6 +50,29 @@ def body(kind: str, n: int) -> Callable[[], None]:
             for _ in range(n):
                 buf.add_(1.0)
         return tiny
+    if kind == "cat":
+        parts = [torch.randn(1, 256, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+        joined = torch.empty(1, 1024, device="cuda", dtype=torch.bfloat16)
+
+        def cat() -> None:
+            for _ in range(n):
+                torch.cat(parts, dim=-1, out=joined)
+        return cat
+    if kind == "mean":
+        row, m = torch.randn(1, 2048, device="cuda"), torch.empty(1, 1, device="cuda")
+
+        def mean() -> None:
+            for _ in range(n):
+                torch.mean(row, dim=-1, keepdim=True, out=m)
+        return mean
+    if kind == "strided":
+        a, b = torch.randn(8, 256, device="cuda"), torch.randn(8, 256, device="cuda")
+        out = torch.empty(8, 128, device="cuda")
+
+        def strided() -> None:
+            for _ in range(n):
+                torch.add(a[:, ::2], b[:, 1::2], out=out)
+        return strided
     ws = [torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(n // 2)]
     x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
 
@@ -76,6 +112,24 @@ def graph_us(run: Callable[[], None]) -> float:
     return statistics.median(gpu_ms_per_replay(g.replay, TOKENS) * 1e3 for _ in range(5))
 
 
+def device_launchable_graph_us(run: Callable[[], None]) -> float:
+    """As :func:`graph_us`, the graph instantiated for device launch (and launched from the host)."""
+    tok = torch.zeros(1, dtype=torch.long, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+    torch.cuda.current_stream().wait_stream(s)
+    g = SafeCUDAGraph(keep_graph=True)
+    with torch.cuda.graph(g):
+        run()
+        tok.add_(1)
+    stream = torch.cuda.current_stream()
+    exe = instantiate_for_device(Graph.from_torch(g), stream=stream, track_completion=False)
+    handle = stream.cuda_stream
+    return statistics.median(gpu_ms_per_replay(lambda: exe.launch(handle), TOKENS) * 1e3 for _ in range(5))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench-out")
@@ -83,14 +137,25 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("loop_costs: needs a GPU")
     results = {}
-    for kind, sizes in (("tiny", (1, 16, 64, 256)), ("linear", (16, 64))):
+    kinds = (("tiny", (1, 16, 64, 256)), ("cat", (64, 256)), ("mean", (64, 256)), ("strided", (64, 256)),
+             ("linear", (16, 64)))
+    for kind, sizes in kinds:
         for n in sizes:
             run = body(kind, n)
             lp, gr = loop_us(run), graph_us(run)
+            try:
+                dl: float | None = device_launchable_graph_us(run)
+            except Exception as exc:  # a diagnostic: say why and go on
+                dl, why = None, f"{type(exc).__name__}: {exc}"
             results[f"{n} {kind} kernels"] = {"loop_us_per_iteration": lp, "graph_us_per_replay": gr,
-                                              "difference_us": lp - gr}
+                                              "difference_us": lp - gr,
+                                              "difference_us_per_kernel": (lp - gr) / n,
+                                              "device_launchable_graph_us_per_replay": dl}
+            if dl is None:
+                results[f"{n} {kind} kernels"]["device_launchable_graph_error"] = why
             print(f"{n} {kind} kernels: loop {lp:.2f} us/iteration, plain graph {gr:.2f} us/replay, "
-                  f"difference {lp - gr:.2f} us", flush=True)
+                  f"difference {lp - gr:.2f} us ({(lp - gr) / n:.3f} per kernel); device-launchable graph "
+                  f"{'-' if dl is None else f'{dl:.2f}'} us/replay", flush=True)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "loop_costs.json")
     with open(path, "w") as f:
