@@ -10,7 +10,8 @@ What it found (own_draw_check_h100_37a530e.json): the logits were ordinary and t
 reading the code after that run: the benchmark's HandCaptured kept only the graph, so the step's closure
 (the chooser's settings and the Philox key on the device) was freed after capture, and the replays read
 whatever the allocator had put in that memory since. HandCaptured now keeps the step (a GPU test in
-test_gpu_bench_suites.py); neither has run on a GPU yet, so the cause is not yet confirmed.
+test_gpu_bench_suites.py). Confirmed on an H100 at 8644eed: the test passed and the top-k step graph ran
+as fast as the greedy one (device_generate_quick_1.2b_h100_8644eed.json).
 
     python tools/own_draw_check.py --out bench-out      # a GPU
 """
