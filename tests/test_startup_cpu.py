@@ -4,6 +4,8 @@ cache's round trip through PyTorch's portable artifacts, in fresh processes with
 from __future__ import annotations
 
 import gc
+import importlib.metadata
+import sys
 import textwrap
 
 import pytest
@@ -13,6 +15,7 @@ import gfxgraph
 from hipgraph_bridge import _torch_compat
 from _cache_child import run_child
 from hipgraph_bridge.startup import WarmupReport, cache, resized, warmup
+from gfxgraph.suites import startup
 
 
 class Recorder:
@@ -241,3 +244,12 @@ def test_compile_profile_reports_dynamos_timers_and_counters():
     prof = compile_profile(top=3)
     assert len(prof["timers_s"]) <= 3 and all(v["s"] >= 0 and v["calls"] >= 1 for v in prof["timers_s"].values())
     assert prof["frames"].get("ok", 0) >= 1 and prof["graph_breaks"] >= 0 and prof["recompiles"] >= 0
+
+
+def test_the_startup_suite_refuses_backend_contenders_without_the_entry_point_before_any_run(monkeypatch):
+    # its children compile with the name "gfxgraph": without the entry point each would fail minutes in
+    assert startup._backend_entry_point()  # the test environment installs gfxgraph
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **kw: [])
+    monkeypatch.setattr(sys, "argv", ["startup", "--contenders", "pool,backend-regions", "--out", "unused"])
+    with pytest.raises(SystemExit, match=r"backend-regions call torch.compile\(backend=\"gfxgraph\"\).*entry point"):
+        startup.main()

@@ -46,6 +46,7 @@ profiled warm ``backend-saved`` process on the H100.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import logging
 import os
@@ -68,6 +69,7 @@ from hipgraph_bridge._torch_compat import compile_profile, compile_time_seconds,
 
 BUCKETS_36 = sorted([1, 2, 4, 8, 12, *range(16, 257, 8)])
 CONTENDERS = ("pool", "backend", "reduce-overhead", "backend-regions", "backend-saved")
+NAMED_BACKEND = ("backend", "backend-regions")  # the contenders that compile with the name "gfxgraph"
 PORTABLE = ("backend", "backend-saved")  # the contenders with a portable phase (files from the cold process)
 FIRST_BATCH = 8  # the first call's batch size: a bucket every contender warmed (reduce-overhead records sizes)
 
@@ -245,6 +247,12 @@ def main() -> None:
         with open(args.result, "w") as f:
             json.dump(res, f)
         return
+    named = sorted(set(args.contenders.split(",")) & set(NAMED_BACKEND))
+    if named and not _backend_entry_point():
+        raise SystemExit(f"startup: {', '.join(named)} call torch.compile(backend=\"gfxgraph\"), which PyTorch finds "
+                         "through gfxgraph's torch_dynamo_backends entry point, and this Python has none: install "
+                         "gfxgraph (pip install --no-deps -e .), or put a checkout set up by it (its "
+                         "src/gfxgraph.egg-info) on PYTHONPATH")
     if not torch.cuda.is_available():
         raise SystemExit("startup: needs a CUDA or ROCm GPU")
     unknown = sorted(set(filter(None, args.profile.split(","))) - set(args.contenders.split(",")))
@@ -272,6 +280,11 @@ def main() -> None:
     write(args.out, "startup", figures(runs), {"method": __doc__, "bytecode": bytecode, "results": runs,
                                                "warm_profiles": profiles})
     os.remove(os.path.join(args.out, "startup.partial.json"))  # startup.json holds it all
+
+
+def _backend_entry_point() -> bool:
+    """Whether PyTorch can look ``backend="gfxgraph"`` up: its children run that name, not the function."""
+    return any(ep.name == "gfxgraph" for ep in importlib.metadata.entry_points(group="torch_dynamo_backends"))
 
 
 def _keep_partial(out: str, runs: dict[str, Any], profiles: dict[str, Any]) -> None:
