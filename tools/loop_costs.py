@@ -13,9 +13,14 @@ kernels, most in those whose arguments are large (``CatArrayBatchedCopy``'s tens
 ReduceOp, TensorIterator's offset calculators for strided operands) and least in cuBLAS's and in contiguous
 elementwise kernels (``tiny`` here, which shows no per-kernel cost). So three more small-kernel bodies with
 large arguments: ``cat`` (``torch.cat`` of four small tensors), ``mean`` (a row mean) and ``strided`` (an add
-on strided views), each at 64 and 256 kernels; and, for every body, the plain graph instantiated for device
-launch (``cudaGraphInstantiateFlagDeviceLaunch``, launched from the host as usual): if a body's kernels cost
-more there too, the cost comes with a graph the device may launch, not with the conditional node.
+on strided views), each at 64 and 256 kernels; ``mixed``, five different small kernels in turn (each body above
+repeats one kernel; a model's alternates); ``block``, a Llama layer's norm and MLP repeated (the 1.2B
+model's kinds of kernel without the model), once with one pair of weights (in L2) and once, ``block-stream``,
+with each block's own (streamed from memory, as a model's weights are); ``llama-nocache``, the 1.2B model's
+forward on one token without a KV cache (the model's kernels, no cache writes); and, for every body, the
+plain graph instantiated for device launch (``cudaGraphInstantiateFlagDeviceLaunch``, launched from the host
+as usual): if a body's kernels cost more there too, the cost comes with a graph the device may launch, not
+with the conditional node.
 
     python tools/loop_costs.py --out bench-out      # a GPU: JSON and a table
 """
@@ -31,6 +36,7 @@ from collections.abc import Callable
 import torch
 
 from gfxgraph.suites._common import capture_graph, gpu_ms_per_replay
+from gfxgraph.suites.llm_decode import build_model
 from hipgraph_bridge.compose.device_launch import instantiate_for_device
 from hipgraph_bridge.generation.device_loop import DeviceDecodeLoop
 from hipgraph_bridge.graph import SafeCUDAGraph
@@ -41,7 +47,10 @@ TOKENS = 256
 
 def body(kind: str, n: int) -> Callable[[], None]:
     """``n`` kernels of ``kind`` ("tiny": an add on 1024 floats; "cat": four (1, 256) bf16 rows concatenated;
-    "mean": a (1, 2048) float row's mean; "strided": an add of two strided (8, 128) float views; "linear": a
+    "mean": a (1, 2048) float row's mean; "strided": an add of two strided (8, 128) float views; "mixed": five
+    different small kernels in turn, each reading the one before's result (an add, a row mean, a broadcast
+    subtraction, a cat, a scale), as a model's are; "block": ``n // 13`` blocks of a Llama layer's RMS norm
+    and gated MLP at hidden 2048 in bf16 (13 kernels each: the 1.2B model's kinds of kernel); "linear": a
     linear layer and a scale, two kernels each, on a (1, 2048) bf16 row)."""
     if kind == "tiny":
         buf = torch.zeros(1024, device="cuda")
@@ -73,6 +82,42 @@ def body(kind: str, n: int) -> Callable[[], None]:
             for _ in range(n):
                 torch.add(a[:, ::2], b[:, 1::2], out=out)
         return strided
+    if kind == "mixed":
+        a, m = torch.randn(1, 2048, device="cuda"), torch.empty(1, 1, device="cuda")
+        halves = torch.empty(2, 1024, device="cuda")
+        kernels = (lambda: a.add_(1e-3), lambda: torch.mean(a, dim=-1, keepdim=True, out=m), lambda: a.sub_(m),
+                   lambda: torch.cat((a[:, :1024], a[:, 1024:]), dim=0, out=halves), lambda: a.mul_(0.5))
+
+        def mixed() -> None:
+            for i in range(n):
+                kernels[i % len(kernels)]()
+        return mixed
+    if kind == "llama-nocache":
+        model = build_model("llama-1.2b")
+        ids = torch.zeros(1, 1, dtype=torch.long, device="cuda")
+
+        def forward() -> None:
+            with torch.no_grad():
+                model(input_ids=ids, use_cache=False)
+        return forward
+    if kind in ("block", "block-stream"):
+        h = torch.randn(1, 1, 2048, device="cuda", dtype=torch.bfloat16)
+        norm_w = torch.ones(2048, device="cuda", dtype=torch.bfloat16)
+        blocks = max(1, n // 13)
+        # "block" reuses one pair of weights (16 MiB, in L2); "block-stream" gives each block its own, read
+        # from memory as a model's are
+        pairs = [tuple(torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(2))
+                 for _ in range(blocks if kind == "block-stream" else 1)]
+
+        def block() -> None:  # 13 kernels a block: an RMS norm and a gated MLP with its residual, in bf16
+            for i in range(blocks):
+                up, down = pairs[i % len(pairs)]
+                x = h.float()
+                x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+                x = norm_w * x.to(torch.bfloat16)
+                g = torch.nn.functional.linear(x, up)
+                h.add_(torch.nn.functional.linear(torch.nn.functional.silu(g) * g, down))
+        return block
     ws = [torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(n // 2)]
     x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
 
@@ -133,13 +178,17 @@ def device_launchable_graph_us(run: Callable[[], None]) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench-out")
+    p.add_argument("--kinds", default="", help="comma-separated bodies to run (default: all)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("loop_costs: needs a GPU")
     results = {}
     kinds = (("tiny", (1, 16, 64, 256)), ("cat", (64, 256)), ("mean", (64, 256)), ("strided", (64, 256)),
-             ("linear", (16, 64)))
-    for kind, sizes in kinds:
+             ("mixed", (64, 256)), ("block", (65, 260)),
+             ("block-stream", (65, 260)), ("linear", (16, 64)),
+             ("llama-nocache", (1,)))
+    wanted = set(args.kinds.split(",")) if args.kinds else {k for k, _ in kinds}
+    for kind, sizes in (k for k in kinds if k[0] in wanted):
         for n in sizes:
             run = body(kind, n)
             lp, gr = loop_us(run), graph_us(run)

@@ -11,7 +11,13 @@ that alternate (their order turning each round; the median of the rounds):
   replayed back to back behind a GPU sleep, as ``device_generate``'s ``step_time`` does;
 - ``device-launchable``: the same step captured again on the same static inputs and instantiated for
   device launch, replayed the same way;
-- ``loop``: ``StaticCacheDecoder(device_loop=256)``'s loop, 255 tokens in one launch.
+- ``loop``: ``StaticCacheDecoder(device_loop=256)``'s loop, 255 tokens in one launch;
+- ``hand-step loop`` (greedy only): a ``DeviceDecodeLoop`` over the plain graph's own step, cache and static
+  memory (the step's tokens and position reshaped to its inputs), 255 tokens in one launch: if it costs
+  what ``loop`` costs, the decoder's body is not what differs from the step graph;
+- ``advancing plain`` (greedy only): the plain graph's step and two one-element adds that move its position
+  and cache position on, so that its replays decode at positions 16, 17, ... as the loop does (``plain``
+  replays position 16 each time); the adds are two tiny kernels (about 2 us each).
 
 If ``device-launchable`` / ``plain`` is about ``loop`` / ``plain``, the model's per-kernel cost in the loop
 comes with a device-launchable graph (the runtime's, not the loop's); if it is near 1, it comes with the
@@ -37,6 +43,7 @@ from gfxgraph.suites.device_generate import (NEW, PROMPT, SAMPLING, HandLoop, _d
                                              _loop_ms_per_token)
 from gfxgraph.suites.llm_decode import HandCaptured, build_model, prefill
 from hipgraph_bridge.compose.device_launch import instantiate_for_device
+from hipgraph_bridge.generation.device_loop import DeviceDecodeLoop
 from hipgraph_bridge.graph import SafeCUDAGraph
 from hipgraph_bridge.runtime import Graph
 
@@ -65,6 +72,54 @@ class Launchable:
         return gpu_ms_per_replay(lambda: self.exe.launch(handle), NEW - 1)
 
 
+class HandStepLoop:
+    """A device loop over ``hand``'s greedy step: its model, its cache, the argmax the step graph takes."""
+
+    def __init__(self, hand: HandLoop) -> None:
+        self.hand, b = hand, hand.b
+        step = hand.graph.step
+
+        def loop_step(tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+            return step(tokens.view(b, 1), position.view(1, 1).expand(b, 1), position.view(1))[1]
+
+        self.loop = DeviceDecodeLoop(loop_step, batch_size=b, chunk=256)
+
+    def ms_per_token(self, ids: torch.Tensor) -> float:
+        self.hand.cache.reset()
+        first = prefill(self.hand.model, self.hand.cache, ids)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = self.loop.generate(first, ids.shape[1], max_new_tokens=NEW - 1)
+        end.record()
+        torch.cuda.synchronize()
+        assert out.shape[1] == NEW - 1
+        return start.elapsed_time(end) / (NEW - 1)
+
+
+class Advancing:
+    """``hand``'s greedy step and the moves of its position and cache position, in one plain graph."""
+
+    def __init__(self, hand: HandLoop) -> None:
+        self.hand, g = hand, hand.graph
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = g.step(g.ids, g.pos, g.cp)
+            g.pos.add_(1)
+            g.cp.add_(1)
+
+    def ms_per_step(self, ids: torch.Tensor) -> float:
+        g = self.hand.graph
+        self.hand.cache.reset()
+        prefill(self.hand.model, self.hand.cache, ids)
+        g.pos.fill_(PROMPT)
+        g.cp.fill_(PROMPT)
+        try:
+            return gpu_ms_per_replay(self.graph.replay, NEW - 1)
+        finally:  # the 8 replays that measure queueing, then the timed ones, moved it on: back for the others
+            g.pos.fill_(PROMPT)
+            g.cp.fill_(PROMPT)
+
+
 def one(model: Any, b: int, label: str, rounds: int) -> dict[str, Any]:
     settings = SAMPLING.get(label, {})
     ids = torch.randint(0, model.config.vocab_size, (b, PROMPT), device="cuda",
@@ -83,6 +138,12 @@ def one(model: Any, b: int, label: str, rounds: int) -> dict[str, Any]:
         "loop": lambda: _loop_ms_per_token(dec, ids, b, settings),
         "plain": lambda: _graph_ms_per_step(hand, ids, own),
         "device-launchable": lambda: launchable.ms_per_step(hand, ids)}
+    if not settings:
+        hand_loop = HandStepLoop(hand)
+        hand_loop.ms_per_token(ids)  # captured untimed
+        timers["hand-step loop"] = lambda: hand_loop.ms_per_token(ids)
+        advancing = Advancing(hand)
+        timers["advancing plain"] = lambda: advancing.ms_per_step(ids)
     rounds_ms = []
     for r in range(rounds):
         names = list(timers)
@@ -90,7 +151,7 @@ def one(model: Any, b: int, label: str, rounds: int) -> dict[str, Any]:
         rounds_ms.append({name: timers[name]() for name in names})
     med = {k: statistics.median(x[k] for x in rounds_ms) for k in timers}
     ratio = {f"{a} / plain": statistics.median(x[a] / x["plain"] for x in rounds_ms)
-             for a in ("loop", "device-launchable")}
+             for a in timers if a != "plain"}
     ratio["loop / device-launchable"] = statistics.median(x["loop"] / x["device-launchable"] for x in rounds_ms)
     return {"ms_per_token": med, "ratios": ratio, "rounds_ms": rounds_ms}
 
@@ -122,7 +183,11 @@ def main() -> None:
                     print(f"{name} bs {b} {label}: plain {m['plain']:.4f} ms, device-launchable "
                           f"{m['device-launchable']:.4f} ms ({q['device-launchable / plain']:.4f}), loop "
                           f"{m['loop']:.4f} ms ({q['loop / plain']:.4f}); loop / device-launchable "
-                          f"{q['loop / device-launchable']:.4f}", flush=True)
+                          f"{q['loop / device-launchable']:.4f}"
+                          + (f"; hand-step loop {m['hand-step loop']:.4f} ms ({q['hand-step loop / plain']:.4f})"
+                             if "hand-step loop" in m else "")
+                          + (f"; advancing plain {m['advancing plain']:.4f} ms ({q['advancing plain / plain']:.4f})"
+                             if "advancing plain" in m else ""), flush=True)
             del model
             torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
