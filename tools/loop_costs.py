@@ -17,10 +17,12 @@ on strided views), each at 64 and 256 kernels; ``mixed``, five different small k
 repeats one kernel; a model's alternates); ``block``, a Llama layer's norm and MLP repeated (the 1.2B
 model's kinds of kernel without the model), once with one pair of weights (in L2) and once, ``block-stream``,
 with each block's own (streamed from memory, as a model's weights are); ``llama-nocache``, the 1.2B model's
-forward on one token without a KV cache (the model's kernels, no cache writes); and, for every body, the
-plain graph instantiated for device launch (``cudaGraphInstantiateFlagDeviceLaunch``, launched from the host
-as usual): if a body's kernels cost more there too, the cost comes with a graph the device may launch, not
-with the conditional node.
+forward on one token without a KV cache (the model's kernels, no cache writes), and its parts: the decoder
+layers alone (``llama-layers``; their attention halves, ``llama-attention``, and MLP halves, ``llama-mlp``)
+and the embedding, final norm and output layer alone (``llama-head``); and,
+for every body, the plain graph instantiated for device launch (``cudaGraphInstantiateFlagDeviceLaunch``,
+launched from the host as usual): if a body's kernels cost more there too, the cost comes with a graph the
+device may launch, not with the conditional node.
 
     python tools/loop_costs.py --out bench-out      # a GPU: JSON and a table
 """
@@ -100,6 +102,37 @@ def body(kind: str, n: int) -> Callable[[], None]:
             with torch.no_grad():
                 model(input_ids=ids, use_cache=False)
         return forward
+    if kind in ("llama-layers", "llama-head", "llama-attention", "llama-mlp"):
+        model = build_model("llama-1.2b")
+        inner, ids = model.model, torch.zeros(1, 1, dtype=torch.long, device="cuda")
+        with torch.no_grad():
+            h0 = inner.embed_tokens(ids)
+            rope = inner.rotary_emb(h0, torch.zeros(1, 1, dtype=torch.long, device="cuda"))
+
+        def layers() -> None:  # the decoder layers alone, on one token (no mask is needed for one)
+            with torch.no_grad():
+                h = h0
+                for layer in inner.layers:
+                    out = layer(h, attention_mask=None, position_embeddings=rope)
+                    h = out[0] if isinstance(out, tuple) else out
+
+        def head() -> None:  # the embedding, the final norm and the output layer
+            with torch.no_grad():
+                model.lm_head(inner.norm(inner.embed_tokens(ids)))
+
+        def attention() -> None:  # each layer's norm and attention (its projections, rotary, SDPA), no MLP
+            with torch.no_grad():
+                h = h0
+                for layer in inner.layers:
+                    h = h + layer.self_attn(layer.input_layernorm(h), attention_mask=None,
+                                            position_embeddings=rope)[0]
+
+        def mlp() -> None:  # each layer's norm and MLP, no attention
+            with torch.no_grad():
+                h = h0
+                for layer in inner.layers:
+                    h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return {"llama-layers": layers, "llama-head": head, "llama-attention": attention, "llama-mlp": mlp}[kind]
     if kind in ("block", "block-stream"):
         h = torch.randn(1, 1, 2048, device="cuda", dtype=torch.bfloat16)
         norm_w = torch.ones(2048, device="cuda", dtype=torch.bfloat16)
@@ -186,7 +219,8 @@ def main() -> None:
     kinds = (("tiny", (1, 16, 64, 256)), ("cat", (64, 256)), ("mean", (64, 256)), ("strided", (64, 256)),
              ("mixed", (64, 256)), ("block", (65, 260)),
              ("block-stream", (65, 260)), ("linear", (16, 64)),
-             ("llama-nocache", (1,)))
+             ("llama-nocache", (1,)), ("llama-layers", (1,)), ("llama-head", (1,)),
+             ("llama-attention", (1,)), ("llama-mlp", (1,)))
     wanted = set(args.kinds.split(",")) if args.kinds else {k for k, _ in kinds}
     for kind, sizes in (k for k in kinds if k[0] in wanted):
         for n in sizes:
