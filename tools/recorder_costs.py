@@ -12,7 +12,11 @@ at most 0.25 of one eager run. This measures, on the same model and input, inter
   tensor ids, storage ids, offsets, shapes and strides (what an offline row analysis would need),
   written to a temporary file;
 - under ``torch.profiler.profile(record_shapes=True)`` (C++ op events with shapes, no tensor
-  identities: not enough for the analysis, shown as the cheapest C++ record).
+  identities: not enough for the analysis, shown as the cheapest C++ record);
+- under TorchScript's tracer (``torch.jit._get_trace_graph``, C++: a graph of aten nodes with their
+  values and shapes, enough for an analysis). It traces modules only: a function that closes over
+  parameters is refused ("Cannot insert a Tensor that requires grad as a constant"), so the step is
+  wrapped in a module here; the pool's users pass closures.
 
 Model: a small Llama from transformers when it is installed (``--layers``, random weights, a decode
 step ``model(input_ids, position_ids)``), else a stack of Linear/LayerNorm/SiLU blocks. On the CPU
@@ -44,6 +48,17 @@ class PassThrough(RowDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         return func(*args, **(kwargs or {}))
+
+
+class AsModule(torch.nn.Module):
+    """``step`` as a module whose submodule holds the weights (TorchScript's tracer takes modules only)."""
+
+    def __init__(self, step: Callable[[torch.Tensor], Any], holder: torch.nn.Module) -> None:
+        super().__init__()
+        self.step, self.holder = step, holder
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.step(x)
 
 
 def build(layers: int, device: str) -> tuple[Callable[[torch.Tensor], Any], str]:
@@ -101,8 +116,17 @@ def main() -> None:
         with profile(record_shapes=True):
             step(z)
 
+    holder = next((c for c in getattr(step, "__closure__", None) or ()
+                   if isinstance(c.cell_contents, torch.nn.Module)), None)
+    module = AsModule(step, holder.cell_contents) if holder is not None else None
+
+    def jit_trace() -> None:
+        torch.jit._get_trace_graph(module, (z,))
+
     modes = {"eager": eager, "pass-through dispatch mode": floor, "row analysis tracer": traced,
              "ExecutionTraceObserver": execution_trace, "profiler record_shapes": profiler_shapes}
+    if module is not None:
+        modes["TorchScript tracer (module)"] = jit_trace
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     times: dict[str, list[float]] = {k: [] for k in modes}
     with torch.no_grad():
