@@ -246,10 +246,25 @@ def test_compile_profile_reports_dynamos_timers_and_counters():
     assert prof["frames"].get("ok", 0) >= 1 and prof["graph_breaks"] >= 0 and prof["recompiles"] >= 0
 
 
-def test_the_startup_suite_refuses_backend_contenders_without_the_entry_point_before_any_run(monkeypatch):
-    # its children compile with the name "gfxgraph": without the entry point each would fail minutes in
-    assert startup._backend_entry_point()  # the test environment installs gfxgraph
+def _suite_started(*args, **kwargs):
+    raise RuntimeError("the suite started its runs")
+
+
+@pytest.mark.parametrize("contenders, refused", [("pool,backend-regions", True), ("backend", True),
+                                                  ("pool,backend-saved,reduce-overhead", False)])
+def test_the_startup_suite_refuses_backend_contenders_without_the_entry_point_before_any_run(
+        monkeypatch, contenders, refused):
+    # its backend children compile with the name "gfxgraph": without the entry point each would fail minutes in
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda **kw: [])
-    monkeypatch.setattr(sys, "argv", ["startup", "--contenders", "pool,backend-regions", "--out", "unused"])
-    with pytest.raises(SystemExit, match=r"backend-regions call torch.compile\(backend=\"gfxgraph\"\).*entry point"):
+    monkeypatch.setattr(startup, "_bytecode", _suite_started)  # a GPU machine must not start the real suite
+    monkeypatch.setattr(sys, "argv", ["startup", "--contenders", contenders, "--out", "unused"])
+    with pytest.raises((SystemExit, RuntimeError)) as got:
         startup.main()
+    said = str(got.value)
+    if refused:
+        assert isinstance(got.value, SystemExit)
+        assert 'call torch.compile(backend="gfxgraph")' in said and "entry point" in said
+        named = sorted(set(contenders.split(",")) & {"backend", "backend-regions"})
+        assert said.startswith("startup: " + ", ".join(named))
+    else:  # the contenders that do not name the backend go on (to the GPU check here, or to the runs)
+        assert "entry point" not in said

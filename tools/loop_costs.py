@@ -14,8 +14,8 @@ ReduceOp, TensorIterator's offset calculators for strided operands) and least in
 elementwise kernels (``tiny`` here, which shows no per-kernel cost). So three more small-kernel bodies with
 large arguments: ``cat`` (``torch.cat`` of four small tensors), ``mean`` (a row mean) and ``strided`` (an add
 on strided views), each at 64 and 256 kernels; ``mixed``, five different small kernels in turn (each body above
-repeats one kernel; a model's alternates); ``block``, a Llama layer's norm and MLP repeated (the 1.2B
-model's kinds of kernel without the model), once with one pair of weights (in L2) and once, ``block-stream``,
+repeats one kernel; a model's alternates); ``block``, an RMS norm and a two-projection 2048-wide MLP repeated (the
+1.2B model's kinds of kernel, not its sizes), once with one pair of weights (in L2) and once, ``block-stream``,
 with each block's own (streamed from memory, as a model's weights are); ``llama-nocache``, the 1.2B model's
 forward on one token without a KV cache (the model's kernels, no cache writes), and its parts: the decoder
 layers alone (``llama-layers``; their attention halves, ``llama-attention``, and MLP halves, ``llama-mlp``)
@@ -50,10 +50,15 @@ TOKENS = 256
 def body(kind: str, n: int) -> Callable[[], None]:
     """``n`` kernels of ``kind`` ("tiny": an add on 1024 floats; "cat": four (1, 256) bf16 rows concatenated;
     "mean": a (1, 2048) float row's mean; "strided": an add of two strided (8, 128) float views; "mixed": five
-    different small kernels in turn, each reading the one before's result (an add, a row mean, a broadcast
-    subtraction, a cat, a scale), as a model's are; "block": ``n // 13`` blocks of a Llama layer's RMS norm
-    and gated MLP at hidden 2048 in bf16 (13 kernels each: the 1.2B model's kinds of kernel); "linear": a
-    linear layer and a scale, two kernels each, on a (1, 2048) bf16 row)."""
+    different small kernels in turn on one row (an add, a row mean, a broadcast subtraction of it, a cat of the
+    row's halves, a scale), as a model alternates kernels; "block": ``n // 13`` blocks of an RMS norm and a
+    two-projection MLP at hidden 2048 in bf16 (2048 by 2048 projections, ``silu(g) * g``, no gate projection;
+    13 kernels each: the 1.2B model's kinds of kernel, not its sizes), one pair of weights for all (in L2);
+    "block-stream": the same, each block its own weights (read from memory); "linear": a linear layer and a
+    scale, two kernels each, on a (1, 2048) bf16 row; "llama-nocache": the 1.2B model's forward on one token
+    without a cache, ``n`` ignored (its difference is per forward, not per kernel); "llama-layers": its 16
+    decoder layers alone on one token; "llama-head": its embedding, final norm and output layer alone;
+    "llama-attention" / "llama-mlp": each layer's norm and attention / norm and MLP)."""
     if kind == "tiny":
         buf = torch.zeros(1024, device="cuda")
 
@@ -142,7 +147,7 @@ def body(kind: str, n: int) -> Callable[[], None]:
         pairs = [tuple(torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(2))
                  for _ in range(blocks if kind == "block-stream" else 1)]
 
-        def block() -> None:  # 13 kernels a block: an RMS norm and a gated MLP with its residual, in bf16
+        def block() -> None:  # 13 kernels a block: an RMS norm, a 2048-wide MLP and its residual, bf16
             for i in range(blocks):
                 up, down = pairs[i % len(pairs)]
                 x = h.float()

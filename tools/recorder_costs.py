@@ -14,9 +14,9 @@ at most 0.25 of one eager run. This measures, on the same model and input, inter
 - under ``torch.profiler.profile(record_shapes=True)`` (C++ op events with shapes, no tensor
   identities: not enough for the analysis, shown as the cheapest C++ record);
 - under TorchScript's tracer (``torch.jit._get_trace_graph``, C++: a graph of aten nodes with their
-  values and shapes, enough for an analysis). It traces modules only: a function that closes over
-  parameters is refused ("Cannot insert a Tensor that requires grad as a constant"), so the step is
-  wrapped in a module here; the pool's users pass closures.
+  values and shapes, enough for an analysis). A function that closes over parameters that require
+  grad is refused ("Cannot insert a Tensor that requires grad as a constant"), as the pool's users'
+  closures over a model are, so the step is wrapped in a module that holds the model here.
 
 Model: a small Llama from transformers when it is installed (``--layers``, random weights, a decode
 step ``model(input_ids, position_ids)``), else a stack of Linear/LayerNorm/SiLU blocks. On the CPU
@@ -51,7 +51,7 @@ class PassThrough(RowDispatchMode):
 
 
 class AsModule(torch.nn.Module):
-    """``step`` as a module whose submodule holds the weights (TorchScript's tracer takes modules only)."""
+    """``step`` as a module that holds the weights (TorchScript's tracer refuses closures over them)."""
 
     def __init__(self, step: Callable[[torch.Tensor], Any], holder: torch.nn.Module) -> None:
         super().__init__()

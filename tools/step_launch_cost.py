@@ -12,12 +12,12 @@ that alternate (their order turning each round; the median of the rounds):
 - ``device-launchable``: the same step captured again on the same static inputs and instantiated for
   device launch, replayed the same way;
 - ``loop``: ``StaticCacheDecoder(device_loop=256)``'s loop, 255 tokens in one launch;
-- ``hand-step loop`` (greedy only): a ``DeviceDecodeLoop`` over the plain graph's own step, cache and static
-  memory (the step's tokens and position reshaped to its inputs), 255 tokens in one launch: if it costs
+- ``hand-step loop`` (greedy only): a ``DeviceDecodeLoop`` over the plain graph's own step and cache (the loop's
+  own token and position buffers reshaped to the step's inputs), 255 tokens in one launch: if it costs
   what ``loop`` costs, the decoder's body is not what differs from the step graph;
 - ``advancing plain`` (greedy only): the plain graph's step and two one-element adds that move its position
   and cache position on, so that its replays decode at positions 16, 17, ... as the loop does (``plain``
-  replays position 16 each time); the adds are two tiny kernels (about 2 us each).
+  replays position 16 each time); the adds are two one-element kernels more per replay.
 
 If ``device-launchable`` / ``plain`` is about ``loop`` / ``plain``, the model's per-kernel cost in the loop
 comes with a device-launchable graph (the runtime's, not the loop's); if it is near 1, it comes with the
