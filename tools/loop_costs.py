@@ -19,7 +19,8 @@ repeats one kernel; a model's alternates); ``block``, an RMS norm and a two-proj
 with each block's own (streamed from memory, as a model's weights are); ``llama-nocache``, the 1.2B model's
 forward on one token without a KV cache (the model's kernels, no cache writes), and its parts: the decoder
 layers alone (``llama-layers``; their attention halves, ``llama-attention``, and MLP halves, ``llama-mlp``)
-and the embedding, final norm and output layer alone (``llama-head``); and,
+and the embedding, final norm and output layer alone (``llama-head``); the MLP's three projections alone,
+at the model's width and at 2048 (``proj-8192``, ``proj-2048``); and,
 for every body, the plain graph instantiated for device launch (``cudaGraphInstantiateFlagDeviceLaunch``,
 launched from the host as usual): if a body's kernels cost more there too, the cost comes with a graph the
 device may launch, not with the conditional node.
@@ -58,7 +59,9 @@ def body(kind: str, n: int) -> Callable[[], None]:
     scale, two kernels each, on a (1, 2048) bf16 row; "llama-nocache": the 1.2B model's forward on one token
     without a cache, ``n`` ignored (its difference is per forward, not per kernel); "llama-layers": its 16
     decoder layers alone on one token; "llama-head": its embedding, final norm and output layer alone;
-    "llama-attention" / "llama-mlp": each layer's norm and attention / norm and MLP)."""
+    "llama-attention" / "llama-mlp": each layer's norm and attention / norm and MLP; "proj-8192" /
+    "proj-2048": ``n // 3`` layers of three bf16 projections alone on one row, a Llama MLP's gate, up and down
+    at the 1.2B model's width (2048 to 8192 and back) / at 2048, each layer its own weights)."""
     if kind == "tiny":
         buf = torch.zeros(1024, device="cuda")
 
@@ -138,6 +141,19 @@ def body(kind: str, n: int) -> Callable[[], None]:
                 for layer in inner.layers:
                     h = h + layer.mlp(layer.post_attention_layernorm(h))
         return {"llama-layers": layers, "llama-head": head, "llama-attention": attention, "llama-mlp": mlp}[kind]
+    if kind in ("proj-8192", "proj-2048"):
+        wide = 8192 if kind == "proj-8192" else 2048
+        h = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+        mid = torch.empty(1, wide, device="cuda", dtype=torch.bfloat16)
+        layers = [tuple(torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 0.02
+                        for shape in ((wide, 2048), (wide, 2048), (2048, wide))) for _ in range(max(1, n // 3))]
+
+        def projections() -> None:  # three projections a layer, as a Llama MLP's, and nothing else
+            for gate, up, down in layers:
+                torch.nn.functional.linear(h, gate, out=mid)
+                torch.nn.functional.linear(h, up, out=mid)
+                torch.nn.functional.linear(mid, down, out=h)
+        return projections
     if kind in ("block", "block-stream"):
         h = torch.randn(1, 1, 2048, device="cuda", dtype=torch.bfloat16)
         norm_w = torch.ones(2048, device="cuda", dtype=torch.bfloat16)
@@ -225,7 +241,7 @@ def main() -> None:
              ("mixed", (64, 256)), ("block", (65, 260)),
              ("block-stream", (65, 260)), ("linear", (16, 64)),
              ("llama-nocache", (1,)), ("llama-layers", (1,)), ("llama-head", (1,)),
-             ("llama-attention", (1,)), ("llama-mlp", (1,)))
+             ("llama-attention", (1,)), ("llama-mlp", (1,)), ("proj-8192", (48,)), ("proj-2048", (48,)))
     wanted = set(args.kinds.split(",")) if args.kinds else {k for k, _ in kinds}
     for kind, sizes in (k for k in kinds if k[0] in wanted):
         for n in sizes:
