@@ -13,10 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import _warm_python
 from conftest import REPO, SRC
 from gfxgraph.bench import find_suites, suite_summary
+from gfxgraph.suites._common import write_diagnostic
 
 SUITES_DIR = SRC / "gfxgraph" / "suites"
 SUITE_FILES = sorted(p.stem for p in SUITES_DIR.glob("*.py") if not p.name.startswith("_"))
@@ -350,3 +352,12 @@ def test_gpu_time_per_replay_refuses_a_torch_without_a_sleep_kernel(monkeypatch:
     with pytest.raises(RuntimeError, match="no GPU sleep kernel"):
         common.gpu_ms_per_replay(lambda: calls.append(1), 100)
     assert len(calls) == 8  # only the calls that measure how long queueing takes ran
+
+
+def test_a_diagnostic_is_written_after_the_devices_name_and_torchs_version(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU")
+    path = write_diagnostic(str(tmp_path / "out"), "probe", {"method": "m", "results": {"a": 1}})
+    assert path == str(tmp_path / "out" / "probe.json")
+    doc = json.loads(Path(path).read_text())
+    assert list(doc) == ["device", "torch", "method", "results"]
+    assert doc["device"] == "a GPU" and doc["torch"] == torch.__version__ and doc["results"] == {"a": 1}

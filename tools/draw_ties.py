@@ -9,11 +9,10 @@ whole vocabulary, twice. Eager calls on the 1.2B model's vocabulary (launch incl
 """
 
 import argparse
-import json
-import os
 
 import torch
 
+from gfxgraph.suites._common import write_diagnostic
 from hipgraph_bridge.generation.sampling import SamplingParams, chooser
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--out", default="bench-out")
@@ -39,7 +38,4 @@ for name, logits in rows.items():
     torch.cuda.synchronize()
     us[name] = a.elapsed_time(b) / 50 * 1000
     print(f"top-k 50 top-p 0.9 draw, {name}: {us[name]:.1f} us per call (eager, launch included)")
-os.makedirs(args.out, exist_ok=True)
-with open(os.path.join(args.out, "draw_ties.json"), "w") as f:
-    json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "vocab": v, "method": __doc__,
-               "us_per_call": us}, f, indent=1)
+write_diagnostic(args.out, "draw_ties", {"vocab": v, "method": __doc__, "us_per_call": us})

@@ -31,14 +31,12 @@ device may launch, not with the conditional node.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 from collections.abc import Callable
 
 import torch
 
-from gfxgraph.suites._common import capture_graph, gpu_ms_per_replay
+from gfxgraph.suites._common import capture_graph, gpu_ms_per_replay, write_diagnostic
 from gfxgraph.suites.llm_decode import build_model
 from hipgraph_bridge.compose.device_launch import instantiate_for_device
 from hipgraph_bridge.generation.device_loop import DeviceDecodeLoop
@@ -260,12 +258,7 @@ def main() -> None:
             print(f"{n} {kind} kernels: loop {lp:.2f} us/iteration, plain graph {gr:.2f} us/replay, "
                   f"difference {lp - gr:.2f} us ({(lp - gr) / n:.3f} per kernel); device-launchable graph "
                   f"{'-' if dl is None else f'{dl:.2f}'} us/replay", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "loop_costs.json")
-    with open(path, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "method": __doc__,
-                   "results": results}, f, indent=1)
-    print(f"wrote {path}")
+    write_diagnostic(args.out, "loop_costs", {"method": __doc__, "results": results})
 
 
 if __name__ == "__main__":

@@ -16,8 +16,6 @@ same draw (the greedy step graph's kernels are kept beside it).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from gfxgraph.hf import StaticCacheDecoder
+from gfxgraph.suites._common import write_diagnostic
 from gfxgraph.suites.device_generate import NEW, PROMPT, SAMPLING, HandLoop, _draw_step
 from gfxgraph.suites.llm_decode import build_model, prefill
 
@@ -98,15 +97,11 @@ def main() -> None:
         g, lp = graph.get(name, zero), in_loop.get(name, zero)
         print(f"  {d:+8.2f}  graph {g['us_per_token']:7.2f} ({g['launches_per_token']:.1f}x)  loop "
               f"{lp['us_per_token']:7.2f} ({lp['launches_per_token']:.1f}x)  {name}")
-    os.makedirs(args.out, exist_ok=True)
     tag = "" if not args.sample else "_" + args.sample.replace(" ", "_").replace(".", "")
-    path = os.path.join(args.out, f"loop_profile_{args.model}_bs{b}{tag}.json")
-    with open(path, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
-                   "batch": b, "tokens": n, "sampling": what, "method": __doc__,
-                   "total_us_per_token": total, "greedy_step_graph": greedy, "step_graph": graph, "loop": in_loop,
-                   "difference_us_per_token": dict(diff)}, f, indent=1)
-    print(f"wrote {path}")
+    write_diagnostic(args.out, f"loop_profile_{args.model}_bs{b}{tag}", {
+        "model": args.model, "batch": b, "tokens": n, "sampling": what, "method": __doc__,
+        "total_us_per_token": total, "greedy_step_graph": greedy, "step_graph": graph, "loop": in_loop,
+        "difference_us_per_token": dict(diff)})
 
 
 if __name__ == "__main__":

@@ -16,15 +16,13 @@ and counts how many rows take the kernel's slower branches.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from gfxgraph.suites._common import capture_graph
+from gfxgraph.suites._common import capture_graph, write_diagnostic
 from gfxgraph.suites.llm_decode import build_model, make_step, new_cache, prefill
 from hipgraph_bridge.generation import sampling
 from hipgraph_bridge.generation.sampling import (draw, draw_filtered, filter_scores, filter_tensors, seed_key,
@@ -161,12 +159,7 @@ def main() -> None:
         stats = tie_stats(rows)
         case.update({k_: float(v) for k_, v in stats.items()})
         print(f"{name} decode logits: {stats}", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "sampling_costs.json")
-    with open(path, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "us_per_call": results}, f,
-                  indent=1)
-    print(f"wrote {path}")
+    write_diagnostic(args.out, "sampling_costs", {"us_per_call": results})
 
 
 if __name__ == "__main__":

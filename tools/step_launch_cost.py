@@ -29,8 +29,6 @@ conditional node's body.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -38,7 +36,7 @@ from typing import Any
 import torch
 
 from gfxgraph.hf import StaticCacheDecoder
-from gfxgraph.suites._common import gpu_ms_per_replay
+from gfxgraph.suites._common import gpu_ms_per_replay, write_diagnostic
 from gfxgraph.suites.device_generate import (NEW, PROMPT, SAMPLING, HandLoop, _draw_step, _graph_ms_per_step,
                                              _loop_ms_per_token)
 from gfxgraph.suites.llm_decode import HandCaptured, build_model, prefill
@@ -190,12 +188,7 @@ def main() -> None:
                              if "advancing plain" in m else ""), flush=True)
             del model
             torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "step_launch_cost.json")
-    with open(path, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "method": __doc__,
-                   "results": results}, f, indent=1)
-    print(f"wrote {path}")
+    write_diagnostic(args.out, "step_launch_cost", {"method": __doc__, "results": results})
 
 
 if __name__ == "__main__":

@@ -137,6 +137,17 @@ def write(out_dir: str, name: str, figures: list[dict[str, Any]], extra: dict[st
     return path
 
 
+def write_diagnostic(out_dir: str, name: str, fields: dict[str, Any]) -> str:
+    """``out_dir/name.json``: a diagnostic's results (no figures, no targets) after the GPU's name and
+    torch's version; returns the path, also printed."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, **fields}, f, indent=1)
+    print(f"wrote {path}")
+    return path
+
+
 def table(name: str, figures: list[dict[str, Any]]) -> str:
     rows = [f"## {name}", "", "| figure | value | target | result |", "|---|---|---|---|"]
     for f in figures:
