@@ -6,13 +6,14 @@ dynamic at batch 4. This repeats that block's sequence (batch 1, then 4, then 16
 per contender from scratch) and, for each contender at each batch size after its first call, records:
 
 - ms per token of one timed ``generate()`` (wall);
-- gfxgraph's counters over that call (``gfxgraph.stats()``: captures, replays, fallbacks by reason) and
-  the backend's (``gfxgraph.backend_stats()``: subgraphs graphed or not, and why);
-- dynamo's counters (frames compiled, recompiles, graph breaks) after the call;
+- gfxgraph's counters over that call (``gfxgraph.stats()``: captures, replays, fallbacks by reason);
+- after the profiled call below, running totals since the contender's ``torch.compiler.reset()``: the
+  backend's (``gfxgraph.backend_stats()``: subgraphs graphed or not, and why) and dynamo's (frames
+  compiled, recompiles, graph breaks);
 - a CPU profile of one more call (``torch.profiler``, CPU activity only: the host's work per token, where a
   host-bound decode spends it), its top ``--top`` entries by self CPU time, per token.
 
-    python tools/hf_backend_probe.py --out bench-out     # a GPU with transformers: JSON and a table
+    python tools/hf_backend_probe.py --out bench-out     # a GPU with transformers: JSON, and the top entries printed
 """
 
 from __future__ import annotations
