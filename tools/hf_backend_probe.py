@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from typing import Any
 
 import torch
@@ -29,30 +28,19 @@ from torch.profiler import ProfilerActivity, profile
 
 import gfxgraph
 from gfxgraph.hf import compile_config
-from gfxgraph.suites._common import write_diagnostic
-from gfxgraph.suites.device_generate import NEW, PROMPT
+from gfxgraph.suites._common import timed, write_diagnostic
+from gfxgraph.suites.device_generate import NEW, PROMPT, hf_generate_once
 from gfxgraph.suites.llm_decode import build_model
 
-CONTENDERS = {"default compile (reduce-overhead)": {}, "gfxgraph.hf.compile_config()": {"gfxgraph": True}}
-
-
-def generate(model: Any, ids: torch.Tensor, kw: dict[str, Any]) -> None:
-    with torch.no_grad():
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=NEW,
-                       do_sample=False, pad_token_id=0, cache_implementation="static", **kw)
-    torch.cuda.synchronize()
-
-
-def _counts(snap: dict[str, Any]) -> dict[str, Any]:
-    return {k: snap[k] for k in ("capture_count", "capture_failures", "replay_count", "fallback_count")} | {
-        "fallback_reasons": dict(snap["fallback_reasons"])}
+CONTENDERS = {"default compile (reduce-overhead)": False, "gfxgraph.hf.compile_config()": True}
+COUNTS = ("capture_count", "capture_failures", "replay_count", "fallback_count")
 
 
 def _diff(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
-    out = {k: after[k] - before[k] for k in ("capture_count", "capture_failures", "replay_count", "fallback_count")}
-    reasons = {r: n - before["fallback_reasons"].get(r, 0) for r, n in after["fallback_reasons"].items()}
-    out["fallback_reasons"] = {r: n for r, n in reasons.items() if n}
-    return out
+    """What ``gfxgraph.stats()`` counted between two snapshots."""
+    was = before["fallback_reasons"]
+    return {k: after[k] - before[k] for k in COUNTS} | {
+        "fallback_reasons": {r: n - was.get(r, 0) for r, n in after["fallback_reasons"].items() if n != was.get(r, 0)}}
 
 
 def probe(model: Any, label: str, kw: dict[str, Any], batches: list[int], top: int) -> dict[str, Any]:
@@ -62,22 +50,19 @@ def probe(model: Any, label: str, kw: dict[str, Any], batches: list[int], top: i
     for b in batches:
         ids = torch.randint(0, model.config.vocab_size, (b, PROMPT), device="cuda",
                             generator=torch.Generator("cuda").manual_seed(b))
-        t0 = time.perf_counter()
-        generate(model, ids, kw)
-        first = time.perf_counter() - t0
-        before = _counts(gfxgraph.stats())
-        t0 = time.perf_counter()
-        generate(model, ids, kw)
-        ms = (time.perf_counter() - t0) * 1e3 / NEW
-        run = _diff(_counts(gfxgraph.stats()), before)
+        first, _ = timed(lambda: hf_generate_once(model, ids, kw))
+        before = gfxgraph.stats()
+        seconds, _ = timed(lambda: hf_generate_once(model, ids, kw))
+        ms = seconds * 1e3 / NEW
+        run = _diff(gfxgraph.stats(), before)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            generate(model, ids, kw)
+            timed(lambda: hf_generate_once(model, ids, kw))
         rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
         res[f"bs{b}"] = {
             "first_call_s": first, "ms_per_token": ms, "gfxgraph_counts_per_call": run,
             "dynamo": json.loads(json.dumps({k: dict(v) for k, v in counters.items()
                                              if k in ("stats", "frames", "recompiles", "graph_break")}, default=str)),
-            "backend": json.loads(json.dumps(gfxgraph.backend_stats(), default=str)) if kw else None,
+            "backend": json.loads(json.dumps(gfxgraph.backend_stats(), default=str)) if "compile_config" in kw else None,
             "cpu_top_us_per_token": [{"name": e.key[:120], "calls_per_token": e.count / NEW,
                                       "self_us_per_token": e.self_cpu_time_total / NEW} for e in rows],
         }
@@ -97,8 +82,8 @@ def main() -> None:
     model = build_model(args.model)
     batches = [int(b) for b in args.batches.split(",")]
     results = {}
-    for label, flags in CONTENDERS.items():
-        kw = {"compile_config": compile_config()} if flags else {}
+    for label, gfx in CONTENDERS.items():
+        kw = {"cache_implementation": "static"} | ({"compile_config": compile_config()} if gfx else {})
         results[label] = probe(model, label, kw, batches, args.top)
     if args.out:
         write_diagnostic(args.out, "hf_backend_probe", {"method": __doc__, "model": args.model, "new_tokens": NEW,

@@ -230,6 +230,13 @@ def step_time(modes: dict[str, Any], ids: torch.Tensor, b: int, rounds: int = 5)
     return res
 
 
+def hf_generate_once(model: Any, ids: torch.Tensor, kw: dict[str, Any]) -> torch.Tensor:
+    """transformers' greedy ``generate()`` of exactly ``NEW`` tokens after ``ids`` (no EOS), with ``kw``."""
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=NEW,
+                              do_sample=False, pad_token_id=0, **kw)
+
+
 def hf_generate(model: Any, batches: tuple[int, ...], rounds: int) -> dict[str, Any]:
     """transformers' generate() with its default compile and with gfxgraph's compile_config, and the device
     loop, at each batch size: tokens/s of 256 new tokens (no EOS), and each one's first-call seconds."""
@@ -245,13 +252,8 @@ def hf_generate(model: Any, batches: tuple[int, ...], rounds: int) -> dict[str, 
             ids = torch.randint(0, model.config.vocab_size, (b, PROMPT), device="cuda",
                                 generator=torch.Generator("cuda").manual_seed(b))
 
-            def run() -> torch.Tensor:
-                with torch.no_grad():
-                    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
-                                          min_new_tokens=NEW, do_sample=False, pad_token_id=0, **kw)
-
-            first, _ = timed(run)
-            times = [timed(run)[0] for _ in range(rounds)]
+            first, _ = timed(lambda: hf_generate_once(model, ids, kw))
+            times = [timed(lambda: hf_generate_once(model, ids, kw))[0] for _ in range(rounds)]
             res.setdefault(f"bs{b}", {})[label] = {"tokens_per_s": b * NEW / statistics.median(times),
                                                   "first_call_s": first, "seconds": times}
     torch.compiler.reset()
