@@ -303,3 +303,19 @@ def test_the_draw_is_gumbel_max_over_the_streams_lanes():
     assert torch.equal(draw(scores[1:2], 9, torch.tensor(1), torch.tensor(5)), got[1:2])  # one row alone
     with pytest.raises(RuntimeError, match=r"draw\(fused=True\)"):
         draw(scores, 9, seq, pos, fused=True)
+
+
+# ------------------------------------------------------------------ the greedy choice
+def test_greedy_is_argmax_on_a_cpu_and_refuses_the_kernel_there():
+    from hipgraph_bridge.generation.sampling import greedy
+
+    x = torch.randn(4, 300, generator=torch.Generator().manual_seed(0))
+    x[1, [7, 200]] = 9.0  # a tie: the first
+    x[2, [50, 9]] = float("nan")  # a NaN is the largest: the first NaN
+    x[3] = -float("inf")
+    assert torch.equal(greedy(x), x.argmax(-1)) and greedy(x).tolist()[1:] == [7, 9, 0]
+    with pytest.raises(RuntimeError, match=r"greedy\(fused=True\): the Triton kernel cannot run: the logits are "
+                                           r"on cpu; fused=None picks torch's argmax"):
+        greedy(x, fused=True)
+    with pytest.raises(ValueError, match=r"greedy: expected \(batch, vocab\) logits, got shape \(300,\)"):
+        greedy(x[0])

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["uniform_fused", "gumbel_max_fused", "topk_draw_fused", "prepare"]
+__all__ = ["uniform_fused", "gumbel_max_fused", "topk_draw_fused", "argmax_fused", "argmax_ready", "prepare"]
 
 # Integer literals above 2**31 are uint32 in triton: the products and sums below wrap at 32 bits,
 # as Philox's words do.
@@ -58,6 +58,8 @@ _TOPK_PROGRAMS = 32  # at most, per row: 32 at 32k (1024 each), 32 at 128k (4096
 # diagnostics/sampling_costs.json, against the _eeadc77 files of both).
 _TOPK_WARPS = 8
 _ROW_BLOCK = 1024  # tokens per step of the pass over a row (ties beyond the window)
+_NO_NAN: tl.constexpr = tl.constexpr(2**31 - 1)  # the argmax kernel's "no NaN seen" (a vocabulary is below 2**31)
+_argmax_loaded: set[tuple[int, torch.dtype, bool]] = set()  # (device, dtype, 16-byte aligned) launched eagerly
 
 
 @triton.jit
@@ -158,6 +160,47 @@ def _gumbel_max_kernel(logits_ptr, t_ptr, key_ptr, seq_ptr, pos_ptr, best_ptr, a
         args = tl.load(arg_ptr + row * NB_MAX + i, mask=i < nblocks, other=0, cache_modifier=".cg")
         j = tl.argmax(bests, axis=0, tie_break_left=True)
         tl.store(out_ptr + row, tl.sum(tl.where(i == j, args, 0), axis=0))
+
+
+@triton.jit(do_not_specialize=["vocab", "chunk", "nblocks", "row_stride"])
+def _argmax_kernel(logits_ptr, best_ptr, arg_ptr, nan_ptr, count_ptr, out_ptr, vocab, chunk, nblocks, row_stride,
+                   SUB: tl.constexpr, NB_MAX: tl.constexpr):
+    """Program ``(row, blk)``: the largest logit over tokens ``[blk * chunk, (blk + 1) * chunk)`` (compared
+    in float32: an exact widening), its lowest token, and the lowest token holding a NaN; the row's last
+    program to finish writes ``torch.argmax``'s answer to ``out``: the first NaN if there is one, else the
+    first of the largest values."""
+    row = tl.program_id(0)
+    blk = tl.program_id(1)
+    base = logits_ptr + row.to(tl.int64) * row_stride
+    start = blk * chunk
+    stop = tl.minimum(start + chunk, vocab)
+    best = tl.full((), float("-inf"), tl.float32)
+    arg = start.to(tl.int64)
+    first_nan = tl.full((), _NO_NAN, tl.int32)
+    for off in tl.range(start, stop, SUB):
+        offs = off + tl.arange(0, SUB)
+        inside = offs < stop
+        s = tl.load(base + offs, mask=inside, other=float("-inf")).to(tl.float32)
+        nan = s != s
+        first_nan = tl.minimum(first_nan, tl.min(tl.where(nan, offs, _NO_NAN), axis=0))
+        b, a = tl.max(tl.where(nan, float("-inf"), s), axis=0, return_indices=True,
+                      return_indices_tie_break_left=True)
+        better = b > best  # an earlier step keeps a tie
+        arg = tl.where(better, (off + a).to(tl.int64), arg)
+        best = tl.where(better, b, best)
+    tl.store(best_ptr + row * NB_MAX + blk, best)
+    tl.store(arg_ptr + row * NB_MAX + blk, arg)
+    tl.store(nan_ptr + row * NB_MAX + blk, first_nan)
+    if _last_of_row(count_ptr, row, nblocks):
+        i = tl.arange(0, NB_MAX)
+        mine = i < nblocks
+        bests = tl.load(best_ptr + row * NB_MAX + i, mask=mine, other=float("-inf"), cache_modifier=".cg")
+        args = tl.load(arg_ptr + row * NB_MAX + i, mask=mine, other=0, cache_modifier=".cg")
+        nans = tl.load(nan_ptr + row * NB_MAX + i, mask=mine, other=_NO_NAN, cache_modifier=".cg")
+        j = tl.argmax(bests, axis=0, tie_break_left=True)
+        top = tl.sum(tl.where(i == j, args, 0), axis=0)
+        nan_at = tl.min(nans, axis=0)
+        tl.store(out_ptr + row, tl.where(nan_at < _NO_NAN, nan_at.to(tl.int64), top))
 
 
 @triton.jit
@@ -397,6 +440,46 @@ def topk_draw_fused(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
                                         LOG_NB=_TOPK_PROGRAMS.bit_length() - 1, ROW_BLOCK=_ROW_BLOCK, TOP_P=top_p,
                                         num_warps=_TOPK_WARPS)
     return out
+
+
+def argmax_fused(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` in one kernel over its programs' shares of each row: ``logits`` ``(batch,
+    vocab)`` float32, bf16 or fp16 on one GPU, ``vocab >= 1``. The same tokens, bit for bit: the first of
+    the largest values, or the first NaN where a row holds one. Long ``(batch,)``.
+
+    Cost: a ``(batch,)`` counter zeroed, then one launch of ``batch * min(64, ceil(vocab / 2048))``
+    programs, one pass over the logits (the row's last program picks its token); allocates ``(batch, 64)``
+    float32, int64 and int32 (a capture's pool). torch's argmax reduces a row of a large vocabulary with
+    few blocks; this spreads it over up to 64."""
+    b, vocab = logits.shape
+    key = _argmax_key(logits)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    nblocks, chunk = _split(vocab, _VOCAB_BLOCK, _DRAW_PROGRAMS)
+    best = torch.empty(b, _DRAW_PROGRAMS, dtype=torch.float32, device=logits.device)
+    arg = torch.empty(b, _DRAW_PROGRAMS, dtype=torch.int64, device=logits.device)
+    nan = torch.empty(b, _DRAW_PROGRAMS, dtype=torch.int32, device=logits.device)
+    count = torch.zeros(b, dtype=torch.int32, device=logits.device)
+    out = torch.empty(b, dtype=torch.int64, device=logits.device)
+    with torch.cuda.device(logits.device) if logits.device.type == "cuda" else contextlib.nullcontext():
+        _argmax_kernel[(b, nblocks)](logits, best, arg, nan, count, out, vocab, chunk, nblocks, logits.stride(0),
+                                     SUB=_VOCAB_BLOCK, NB_MAX=_DRAW_PROGRAMS)
+    if not torch.cuda.is_current_stream_capturing():
+        _argmax_loaded.add(key)
+    return out
+
+
+def _argmax_key(logits: torch.Tensor) -> tuple[int, torch.dtype, bool]:
+    """What selects the compiled kernel: the device, the dtype, and whether the pointer is 16-byte aligned
+    (triton specialises pointers on it; a copy, made where the last stride is not 1, is aligned)."""
+    aligned = logits.stride(-1) != 1 or logits.data_ptr() % 16 == 0
+    return logits.device.index or 0, logits.dtype, aligned
+
+
+def argmax_ready(logits: torch.Tensor) -> bool:
+    """Whether :func:`argmax_fused` has run eagerly on logits like these (:func:`_argmax_key`): its kernel is
+    then compiled and loaded, so a capture may launch it (a capture must not load a module)."""
+    return _argmax_key(logits) in _argmax_loaded
 
 
 def prepare(device: torch.device, *, k_window: int | None = None, top_p: bool = False,

@@ -51,7 +51,10 @@ The same holds for the filters: a body is captured for the filters that are on
 temperature sampling does no work for them; changing a filter's value within
 its window needs no capture, turning one on or off does. On a GPU the draw is
 one Triton kernel over the logits (:mod:`._philox_triton`, compiled and loaded
-before the capture), the same tokens as the torch reference.
+before the capture), the same tokens as the torch reference. A greedy body
+chooses with :func:`.sampling.greedy`: ``argmax``'s tokens from one Triton
+kernel that spreads each row over up to 64 programs (loaded by the warm-up;
+torch's argmax where there is none: ``warmup_iters=0``, no triton, a CPU).
 
 Ragged batches: ``position`` may be one position per sequence, a ``(batch_size,)``
 tensor (left-padded prompts of different lengths); the step then receives a
@@ -77,7 +80,7 @@ from ..conditional.kernels import DECODE_STEP_MAX_BATCH, MAX_EOS_IDS
 from ..conditional.loop import LOOP_STRATEGIES
 from ..conditional.native_nodes import NativeConditional
 from ..tree import describe
-from .sampling import SamplingParams, draw_filtered, filter_flags, prepare_fused, seed_key, top_k_window
+from .sampling import SamplingParams, draw_filtered, filter_flags, greedy, prepare_fused, seed_key, top_k_window
 
 __all__ = ["DeviceDecodeLoop", "BodyKind"]
 
@@ -208,7 +211,7 @@ class DeviceDecodeLoop:
                                     self._sequences, pos, use_top_k=kind.top_k, use_top_p=kind.top_p,
                                     k_window=kind.k_window)
             else:
-                nxt = nxt.argmax(dim=-1)
+                nxt = greedy(nxt)
         elif not isinstance(nxt, torch.Tensor) or nxt.numel() != self.batch_size or nxt.is_floating_point():
             raise TypeError(f"step: expected {self.batch_size} integer token ids or ({self.batch_size}, vocab) "
                             f"logits, got {describe(nxt)}")

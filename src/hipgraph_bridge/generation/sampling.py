@@ -16,7 +16,10 @@ kernels (:mod:`._philox_triton`): the same random bits as the reference, which
 costs some 300 small kernels; ``fused=False`` forces the reference (what a test
 compares a kernel with). Triton is optional: without it (PyTorch's CPU build)
 or on a CPU tensor, the reference runs. :func:`prepare_fused` compiles and
-loads the kernels ahead of a capture.
+loads the kernels ahead of a capture. :func:`greedy` is the greedy choice the
+device loop's body makes: ``argmax``'s tokens, on a GPU from one Triton kernel
+that spreads a row over up to 64 programs (torch's argmax gives a row of a
+large vocabulary few blocks).
 
 A token is drawn as ``generate(do_sample=True)`` draws it, in transformers'
 order: the logits divided by ``temperature``, then top-k (every logit below
@@ -55,7 +58,7 @@ from ..errors import ConfigError
 
 __all__ = ["FUSED_BY_DEFAULT", "WINDOW_MAX", "SamplingParams", "philox4x32", "uniform", "seed_key", "filter_logits",
            "filter_tensors", "filter_scores", "filter_flags", "top_k_window", "draw", "draw_filtered", "chooser",
-           "sample_tokens", "fused_unavailable_reason", "prepare_fused"]
+           "sample_tokens", "greedy", "fused_unavailable_reason", "prepare_fused"]
 
 FUSED_BY_DEFAULT = True
 """What ``fused=None`` does on a GPU where triton imports (:func:`uniform`, :func:`draw`,
@@ -389,6 +392,51 @@ def _same_device(caller: str, scores: torch.Tensor, key: torch.Tensor, sequence:
     for name, t in (("the key", key), ("sequence", sequence), ("position", position)):
         if t.device != scores.device:
             raise ValueError(f"{caller}: expected {name} on the logits' device {scores.device}, got {t.device}")
+
+
+_GREEDY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def greedy(logits: torch.Tensor, *, fused: bool | None = None) -> torch.Tensor:
+    """The greedy token of each row of ``logits`` (``(batch, vocab)``): ``logits.argmax(dim=-1)``, the same
+    tokens bit for bit (the first of the largest values; a NaN counts as the largest, the first NaN wins).
+    Long, ``(batch,)``.
+
+    ``fused=None``: on a GPU, for float32, bf16 or fp16 logits where triton imports, one Triton kernel
+    that spreads each row over up to 64 programs (:func:`._philox_triton.argmax_fused`; torch's argmax
+    gives a row of a 128k vocabulary few blocks: tens of microseconds at batch 1), except inside a
+    capture that would have to load it (the kernel is loaded by the first eager call on such logits: a
+    warm-up; until then a capture gets torch's argmax, the same tokens). Elsewhere, or with
+    ``fused=False``, torch's argmax. ``fused=True`` demands the kernel (``RuntimeError`` naming why not)."""
+    if logits.dim() != 2:
+        raise ValueError(f"greedy: expected (batch, vocab) logits, got shape {tuple(logits.shape)}")
+    if _greedy_fused_wanted(logits, fused):
+        return _fused_module().argmax_fused(logits)
+    return logits.argmax(dim=-1)
+
+
+def _greedy_fused_wanted(logits: torch.Tensor, fused: bool | None) -> bool:
+    if fused is False:
+        return False
+    why = None
+    if logits.device.type != "cuda":
+        why = f"the logits are on {logits.device}"
+    elif logits.dtype not in _GREEDY_DTYPES:
+        why = f"it takes float32, bf16 or fp16 logits, got {logits.dtype}"
+    elif logits.numel() == 0:
+        why = f"it takes a non-empty batch and vocabulary, got shape {tuple(logits.shape)}"
+    else:
+        why = fused_unavailable_reason()
+    if fused is None:
+        return FUSED_BY_DEFAULT and why is None and (
+            not torch.cuda.is_current_stream_capturing() or _fused_module().argmax_ready(logits))
+    if why is None and torch.cuda.is_current_stream_capturing() and not _fused_module().argmax_ready(logits):
+        why = ("a capture cannot load it, and no eager call on such logits (device, dtype, alignment) has: run "
+               "one first (a warm-up)")
+    if why is not None:
+        raise RuntimeError(f"greedy(fused=True): the Triton kernel cannot run: {why}; fused=None picks torch's "
+                           "argmax then")
+    return True
 
 
 def chooser(params: SamplingParams, vocab: int,
