@@ -47,7 +47,7 @@ def test_ties_go_to_the_first_token_across_programs(dtype):
     x[3, [2047, 2048]] = 1  # either side of a program's edge
     x[4] = -float("inf")  # every token removed: token 0, as torch says
     x[5] = -1
-    x[5, [4096, 9000]] = torch.tensor([-0.0, 0.0], dtype=dtype)  # -0.0 == 0.0: the first
+    x[5, [4096, 9000]] = torch.tensor([-0.0, 0.0], dtype=dtype, device="cuda")  # -0.0 == 0.0: the first
     _same(x)
 
 

@@ -16,6 +16,7 @@ same draw (the greedy step graph's kernels are kept beside it).
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -97,7 +98,8 @@ def main() -> None:
         g, lp = graph.get(name, zero), in_loop.get(name, zero)
         print(f"  {d:+8.2f}  graph {g['us_per_token']:7.2f} ({g['launches_per_token']:.1f}x)  loop "
               f"{lp['us_per_token']:7.2f} ({lp['launches_per_token']:.1f}x)  {name}")
-    tag = "" if not args.sample else "_" + args.sample.replace(" ", "_").replace(".", "")
+    # letters, digits and "_" only: a name the device's file transfer (and any shell) takes as it is
+    tag = "" if not args.sample else "_" + re.sub(r"[^A-Za-z0-9]+", "_", args.sample).strip("_")
     write_diagnostic(args.out, f"loop_profile_{args.model}_bs{b}{tag}", {
         "model": args.model, "batch": b, "tokens": n, "sampling": what, "method": __doc__,
         "total_us_per_token": total, "greedy_step_graph": greedy, "step_graph": graph, "loop": in_loop,
