@@ -148,31 +148,3 @@ def test_the_greedy_body_runs_the_kernel_and_decodes_the_host_loops_tokens(monke
         assert True in calls, "the captured greedy body chose with torch's argmax"
         assert torch.equal(got, torch.stack(want, dim=1))
         loop.close()
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_ties_inside_one_program_go_to_the_earlier_step(dtype):
-    vocab = 152064  # 38 programs of 4,096 tokens: two 2,048-token steps each
-    x = torch.zeros(2, vocab, device="cuda", dtype=dtype)
-    x[0, [5, 2053]] = 3  # one program, its first and second step
-    x[1, [4100, 6200]] = 2  # the second program, both steps
-    _same(x)
-
-
-def test_rows_2_31_elements_apart_give_argmax_and_draw_tokens_in_and_out_of_a_capture():
-    vocab, prompt = 131_072, 16_385  # a prefill's logits[:, -1, :]: row 1 starts 2**31 + 131,072 elements on
-    big = torch.empty(2, prompt, vocab, device="cuda", dtype=torch.bfloat16)  # 8.6 GB
-    x = big[:, -1, :]
-    x.normal_(generator=torch.Generator("cuda").manual_seed(3))
-    _same(x)
-    seq, pos = torch.arange(2, device="cuda"), torch.tensor(7, device="cuda")
-    settings = sampling.filter_tensors(0.8, None, None, vocab, "cuda")  # the temperature alone: the kernel reads x
-    want = sampling.draw(x.float() / settings[0], 5, seq, pos, fused=False)  # the torch reference
-    got = sampling.draw_filtered(x, *settings, 5, seq, pos, use_top_k=False, use_top_p=False, k_window=None,
-                                 fused=True)
-    assert torch.equal(got, want)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):  # the kernels loaded above on contiguous logits: the copy launches nothing new
-        got = greedy(x, fused=True)
-    g.replay()
-    assert torch.equal(got, x.argmax(-1))

@@ -319,26 +319,3 @@ def test_greedy_is_argmax_on_a_cpu_and_refuses_the_kernel_there():
         greedy(x, fused=True)
     with pytest.raises(ValueError, match=r"greedy: expected \(batch, vocab\) logits, got shape \(300,\)"):
         greedy(x[0])
-
-
-# ------------------------------------------------------------------ how the kernels address the logits
-def test_the_kernels_read_a_copy_only_where_their_int32_row_offsets_or_strides_need_one():
-    from hipgraph_bridge.generation._layout import copies, kernel_rows
-
-    meta = torch.empty(2**20, device="meta")  # no storage: strides of any size, nothing allocated
-
-    def view(size, stride):
-        return meta.as_strided(size, stride)
-
-    vocab, prompt = 152_064, 20_000  # a prefill's logits[:, -1, :]: rows T * V elements apart
-    assert not copies(view((4, vocab), (vocab, 1)))  # contiguous rows
-    assert not copies(view((1, vocab), (prompt * vocab, 1)))  # one row: its stride is never read
-    assert copies(view((2, vocab), (prompt * vocab, 1)))  # the second row 3.0e9 elements on: int64 offsets
-    assert not copies(view((2, vocab), (14_000 * vocab, 1)))  # the second row 2.13e9 elements on: int32 still
-    assert copies(view((3, 5), (5, 2))) and not copies(view((3, 1), (7, 3)))  # a last stride read, unread
-    far, stride = kernel_rows(view((3, vocab), (prompt * vocab, 1)))
-    assert far.is_contiguous() and stride == vocab
-    near, stride = kernel_rows(view((1, vocab), (prompt * vocab, 1)))
-    assert near.stride(0) == prompt * vocab and stride == vocab  # no copy; the stride passed fits int32
-    with pytest.raises(ValueError, match=r"expected fewer than 2\*\*31 logits, got shape \(16384, 131072\)"):
-        kernel_rows(view((16_384, 131_072), (131_072, 1)))

@@ -38,9 +38,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ._layout import copies as _copies
-from ._layout import kernel_rows as _kernel_rows
-
 __all__ = ["uniform_fused", "gumbel_max_fused", "topk_draw_fused", "argmax_fused", "argmax_ready", "prepare"]
 
 # Integer literals above 2**31 are uint32 in triton: the products and sums below wrap at 32 bits,
@@ -404,11 +401,12 @@ def gumbel_max_fused(logits: torch.Tensor, key: torch.Tensor, sequence: torch.Te
     arg = torch.empty(b, _DRAW_PROGRAMS, dtype=torch.int64, device=logits.device)
     count = torch.zeros(b, dtype=torch.int32, device=logits.device)
     out = torch.empty(b, dtype=torch.int64, device=logits.device)
-    logits, row_stride = _kernel_rows(logits)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
     t = key if temperature is None else temperature  # unread without SCALE
     with torch.cuda.device(key.device) if key.device.type == "cuda" else contextlib.nullcontext():
         _gumbel_max_kernel[(b, nblocks)](logits, t, key, seq, pos, best, arg, count, out, vocab, chunk, nblocks,
-                                         row_stride, seq.stride(0), pos.stride(0), SUB=_VOCAB_BLOCK,
+                                         logits.stride(0), seq.stride(0), pos.stride(0), SUB=_VOCAB_BLOCK,
                                          NB_MAX=_DRAW_PROGRAMS, SCALE=temperature is not None)
     return out
 
@@ -433,10 +431,11 @@ def topk_draw_fused(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     cand = torch.empty(b, _TOPK_PROGRAMS * window, dtype=torch.int64, device=logits.device)
     count = torch.zeros(b, dtype=torch.int32, device=logits.device)
     out = torch.empty(b, dtype=torch.int64, device=logits.device)
-    logits, row_stride = _kernel_rows(logits)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
     with torch.cuda.device(key.device) if key.device.type == "cuda" else contextlib.nullcontext():
         _topk_draw_kernel[(b, nblocks)](logits, temperature, top_k, top_p_cut, key, seq, pos, cand, count, out,
-                                        vocab, chunk, nblocks, row_stride, seq.stride(0), pos.stride(0),
+                                        vocab, chunk, nblocks, logits.stride(0), seq.stride(0), pos.stride(0),
                                         WINDOW=window, SUB=_TOPK_SUB, NB_MAX=_TOPK_PROGRAMS,
                                         LOG_NB=_TOPK_PROGRAMS.bit_length() - 1, ROW_BLOCK=_ROW_BLOCK, TOP_P=top_p,
                                         num_warps=_TOPK_WARPS)
@@ -454,7 +453,8 @@ def argmax_fused(logits: torch.Tensor) -> torch.Tensor:
     few blocks; this spreads it over up to 64."""
     b, vocab = logits.shape
     key = _argmax_key(logits)
-    logits, row_stride = _kernel_rows(logits)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
     nblocks, chunk = _split(vocab, _VOCAB_BLOCK, _DRAW_PROGRAMS)
     best = torch.empty(b, _DRAW_PROGRAMS, dtype=torch.float32, device=logits.device)
     arg = torch.empty(b, _DRAW_PROGRAMS, dtype=torch.int64, device=logits.device)
@@ -462,7 +462,7 @@ def argmax_fused(logits: torch.Tensor) -> torch.Tensor:
     count = torch.zeros(b, dtype=torch.int32, device=logits.device)
     out = torch.empty(b, dtype=torch.int64, device=logits.device)
     with torch.cuda.device(logits.device) if logits.device.type == "cuda" else contextlib.nullcontext():
-        _argmax_kernel[(b, nblocks)](logits, best, arg, nan, count, out, vocab, chunk, nblocks, row_stride,
+        _argmax_kernel[(b, nblocks)](logits, best, arg, nan, count, out, vocab, chunk, nblocks, logits.stride(0),
                                      SUB=_VOCAB_BLOCK, NB_MAX=_DRAW_PROGRAMS)
     if not torch.cuda.is_current_stream_capturing():
         _argmax_loaded.add(key)
@@ -470,10 +470,9 @@ def argmax_fused(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _argmax_key(logits: torch.Tensor) -> tuple[int, torch.dtype, bool]:
-    """What selects the compiled kernel: the device, the dtype, and whether the pointer the kernel reads is
-    16-byte aligned (triton specialises pointers on it; a copy, made where :func:`_copies`, is aligned). Its
-    integer arguments are all below 2**31 (:func:`_kernel_rows`): one integer type."""
-    aligned = _copies(logits) or logits.data_ptr() % 16 == 0
+    """What selects the compiled kernel: the device, the dtype, and whether the pointer is 16-byte aligned
+    (triton specialises pointers on it; a copy, made where the last stride is not 1, is aligned)."""
+    aligned = logits.stride(-1) != 1 or logits.data_ptr() % 16 == 0
     return logits.device.index or 0, logits.dtype, aligned
 
 

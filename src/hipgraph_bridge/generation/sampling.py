@@ -423,9 +423,8 @@ def _greedy_fused_wanted(logits: torch.Tensor, fused: bool | None) -> bool:
         why = f"the logits are on {logits.device}"
     elif logits.dtype not in _GREEDY_DTYPES:
         why = f"it takes float32, bf16 or fp16 logits, got {logits.dtype}"
-    elif logits.numel() == 0 or logits.numel() >= 2**31:
-        why = ("it takes a non-empty batch and vocabulary of fewer than 2**31 logits, got shape "
-               f"{tuple(logits.shape)}")
+    elif logits.numel() == 0:
+        why = f"it takes a non-empty batch and vocabulary, got shape {tuple(logits.shape)}"
     else:
         why = fused_unavailable_reason()
     if fused is None:
