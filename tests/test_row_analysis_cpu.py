@@ -387,7 +387,7 @@ INDEPENDENT = [
     _case(dropout_eval, (R0,)),
     _case(normalize_and_cosine_over_features, (R0,)),
     _case(two_inputs_in_different_dims, (R0, R0)),
-    # wrong today
+    # found wrong once, fixed since
     _case(mha_batch_first_eval, (R0,)),
     _case(encoder_layer_batch_first_eval, (R0,)),
     _case(pick_per_row_by_arange, (R0,)),
@@ -631,17 +631,13 @@ REFUSED = _params(
     ("out_into_closure", _writes_out_into_closure, Reason.STATEFUL, "did not create"),
     ("writes_parameter", _writes_parameter, Reason.STATEFUL, "did not create"),
     ("cache_made_on_the_first_call", lambda: Call(_LazyCache(), (X,)), Reason.STATEFUL, "keeps a tensor"),
-    # wrong today
+    # found wrong once, fixed since
     ("equal_gate", lambda: Call(_equal_gate, (X,)), Reason.UNPROVEN, "on the host"),
     ("allclose_gate", lambda: Call(_allclose_gate, (X,)), Reason.UNPROVEN, "on the host"),
-    ("tolist_gate", lambda: Call(_tolist_gate, (X,)), Reason.UNPROVEN, "on the host", _bug(
-        "Tensor.tolist()/.numpy() read batch values without an aten op: a dispatch mode cannot see them "
-        "(a __torch_function__ hook, or _to_copy to the CPU on a GPU, could)")),
+    ("tolist_gate", lambda: Call(_tolist_gate, (X,)), Reason.UNPROVEN, "Tensor.tolist"),
     ("fill_with_batch_max", lambda: Call(_fill_with_batch_max, (X,)), COUPLED, "aten.max"),
     ("count_masked_rows_square", lambda: Call(_count_masked_rows_square, (_x(4, 4),)), COUPLED, ""),
-    ("batch_size_as_value", lambda: Call(_mean_by_batch_size, (X,)), COUPLED, "", _bug(
-        "x / x.shape[0]: a size read is no aten op, so the live trace cannot see it (the compile backend's "
-        "SIZE_AS_VALUE and the pool's poisoned replay can)")),
+    ("batch_size_as_value", lambda: Call(_mean_by_batch_size, (X,)), Reason.SIZE_AS_VALUE, "batch size"),
 )
 
 
@@ -652,7 +648,7 @@ def test_refused_model(make: Callable[[], Call], reason: Reason, match: str) -> 
     assert v.reason is reason, f"got {v.reason}: {v.detail}"
     assert match in v.detail
     assert v.stateful is (reason is Reason.STATEFUL)
-    if reason is COUPLED:
+    if reason in (COUPLED, Reason.SIZE_AS_VALUE):
         assert padding_changes_rows(call)  # the expectation itself
 
 

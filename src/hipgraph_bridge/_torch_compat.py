@@ -42,7 +42,8 @@ torch ops by name              ``torch._ops.OpOverload`` and its packet    same
 generator states and graphs    ``~CUDAGraph()`` checks its registration    per-capture RNG state: nothing
                                with each generator state (2.3 - 2.12)      to check (pytorch#176752)
 op schemas                     ``OpOverload._schema``: which arguments     same
-                               an op writes (the row analysis)
+                               an op writes, and of what type each is
+                               (the row analysis)
 fake tensors                   ``torch._subclasses.FakeTensorMode``: the   same
                                row analysis of a compiled graph
 lazy fx code                   ``_LazyGraphModule.real_recompile`` (2.3+)  same
@@ -93,6 +94,7 @@ __all__ = [
     "cpp_compiler_problem",
     "inductor_config_keys",
     "op_writes",
+    "op_arguments",
     "RowDispatchMode",
     "op_kind",
     "OP_PLAIN",
@@ -486,6 +488,28 @@ def op_writes(op: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
             names.append(a.name)
             pos.append(i)
     return tuple(pos), tuple(names)
+
+
+_ARG_KINDS = {"TensorType": "tensor", "NumberType": "number", "ComplexType": "number", "FloatType": "float",
+              "IntType": "int", "SymIntType": "symint", "BoolType": "bool"}
+
+
+def op_arguments(op: Any) -> tuple[tuple[str, str], ...]:
+    """Each argument of ``op`` (an ``OpOverload``) from its schema: (name, kind), the kind one of ``tensor``,
+    ``number`` (a ``Scalar``), ``float``, ``int``, ``symint`` (an integer that may be a size), ``bool`` or
+    ``other``; an optional or a list is its element's kind (``view``'s ``SymInt[] size``: ``symint``).
+    Empty for an op without a schema. Not cached: the caller keeps what it derives."""
+    try:
+        arguments = op._schema.arguments
+    except AttributeError:
+        return ()
+    out = []
+    for a in arguments:
+        t = a.real_type
+        while type(t).__name__ in ("OptionalType", "ListType"):
+            t = t.getElementType()
+        out.append((a.name, _ARG_KINDS.get(type(t).__name__, "other")))
+    return tuple(out)
 
 
 class RowDispatchMode(TorchDispatchMode):

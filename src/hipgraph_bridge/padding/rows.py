@@ -26,10 +26,14 @@ which padding at the end never changes.
 The same trace finds what padding must never touch: writes to tensors the
 call did not create (a buffer, a parameter, a KV cache a closure holds), the
 call's own inputs written in place, random ops, and batch data read on the
-host (``.item()``, a branch on a tensor: data-dependent control flow).
+host (``.item()``, a branch on a tensor, ``.tolist()``: data-dependent
+control flow). Beside the dispatch mode, a function mode
+(:class:`~.sizes.PythonReads`) sees what reaches no aten op: the batch's
+size read from a shape and used as a number (``x / x.shape[0]``), which
+labels the result as depending on every row, and ``.tolist()``/``.numpy()``.
 
-Cost: one Python call per aten op of the traced run (tens of microseconds
-at most), once per pool key. Nothing here runs the model: the caller traces
+Cost: one Python call per aten op and one per torch call of the traced run
+(tens of microseconds at most), once per pool key. Nothing here runs the model: the caller traces
 a run it makes anyway (a warm-up), or a compiled graph on fake tensors.
 """
 
@@ -45,6 +49,7 @@ import torch
 
 from .._torch_compat import OP_COMPOSITE, OP_REGION, RowDispatchMode, inline_subgraph, op_kind, op_writes, pytree
 from ..fallbacks import Reason
+from .sizes import PythonReads, takes_size
 
 __all__ = ["Rows", "Mixed", "Label", "RowVerdict", "RowTracer", "join"]
 
@@ -73,12 +78,13 @@ class Rows(NamedTuple):
 
 
 class Mixed:
-    """Depends on several rows of the batch; ``why`` names the op. ``proven``: False when the op was unknown."""
+    """Depends on several rows of the batch; ``why`` names the op. ``proven``: False when the op was unknown.
+    ``size``: through the batch's size used as a number (the verdict's reason is ``SIZE_AS_VALUE``)."""
 
-    __slots__ = ("why", "proven")
+    __slots__ = ("why", "proven", "size")
 
-    def __init__(self, why: str, proven: bool = True) -> None:
-        self.why, self.proven = why, proven
+    def __init__(self, why: str, proven: bool = True, *, size: bool = False) -> None:
+        self.why, self.proven, self.size = why, proven, size
 
     def __repr__(self) -> str:
         return f"Mixed({self.why!r}{'' if self.proven else ', unproven'})"
@@ -198,6 +204,22 @@ class RowTracer(RowDispatchMode):
         self.input_writes: list[str] = []
         self.random = ""
         self.host_read = ""
+        self.python = PythonReads(self)
+        self._depth = 0
+
+    def __enter__(self) -> RowTracer:
+        if self._depth == 0:
+            self.python.__enter__()
+        self._depth += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._depth -= 1
+        try:
+            super().__exit__(*exc)
+        finally:
+            if self._depth == 0:
+                self.python.__exit__(*exc)
 
     # ------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
@@ -231,20 +253,23 @@ class RowTracer(RowDispatchMode):
         else:
             if kwargs:
                 labelled = any(self.label(v) is not None for v in kwargs.values())
+        sized = self._takes_size(func, args, kwargs or {}) if self.python.sizes else None
         try:
             if seeded and not self._not_random(func, args, kwargs or {}):
                 self.random = self.random or str(func.overloadpacket)
             if labelled and type(out) in (bool, int, float) and not self.host_read:
-                self._host(func)
-            if not labelled and not writes[0] and rule is not _batch_norm:
+                self._host(str(func.overloadpacket))
+            if not labelled and not writes[0] and rule is not _batch_norm and sized is None:
                 self._plain(func, args, out, view_of_arg)
             elif rule is None:
-                self._unknown(func, args, kwargs or {}, out, f"{func} is not known to the row analysis")
+                self._unknown(func, args, kwargs or {}, out, f"{func} is not known to the row analysis", sized)
             else:
-                self._assign(func, args, kwargs or {}, out, rule(self, func, args, kwargs or {}, out), writes,
-                             view_of_arg, made)
+                labels = rule(self, func, args, kwargs or {}, out)
+                if sized is not None:
+                    labels = [join(lab, sized) for lab in labels]
+                self._assign(func, args, kwargs or {}, out, labels, writes, view_of_arg, made)
         except Exception as exc:  # a rule that fails is an unknown op, never the model's error
-            self._unknown(func, args, kwargs or {}, out, f"{func}: the row analysis failed on it ({exc})")
+            self._unknown(func, args, kwargs or {}, out, f"{func}: the row analysis failed on it ({exc})", sized)
         return out
 
     def _special(self, func: Any, kind: int, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
@@ -260,9 +285,37 @@ class RowTracer(RowDispatchMode):
         raise NotImplementedError(f"{getattr(func, '__name__', func)} is a higher-order operator the row "
                                   "analysis does not follow")
 
-    def _host(self, func: Any) -> None:
-        self.host_read = (f"the model reads batch values on the host ({func.overloadpacket}, e.g. .item(), "
+    def _host(self, what: str) -> None:
+        self.host_read = (f"the model reads batch values on the host ({what}, e.g. .item(), "
                           "torch.equal or a branch on a tensor): its control flow may depend on the rows")
+
+    def _takes_size(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Mixed | None:
+        """A torch call given the batch size runs this op: whether the op takes it as a number."""
+        name = takes_size(func, args, kwargs, self.python.sizes)
+        if not name:
+            return None
+        return Mixed(f"{func.overloadpacket} takes the batch size as its {name!r}, a number that padding "
+                     "changes (x / x.shape[0])", size=True)
+
+    # ------------------------------------------------------------------ what the function mode asks
+    def batch_dims(self, t: torch.Tensor) -> tuple[int, ...]:
+        """The dims of ``t`` whose size follows the batch (:class:`~.sizes.PythonReads`)."""
+        lab = self.label(t)
+        return (lab.dim,) if isinstance(lab, Rows) else ()
+
+    def carries_batch(self, t: torch.Tensor) -> bool:
+        return self.label(t) is not None
+
+    def read_on_host(self, what: str) -> None:
+        if not self.host_read:
+            self._host(what)
+
+    def from_size(self, out: Any, what: str) -> None:
+        """``out`` was built from the batch size (``torch.tensor(x.shape[0])``): it depends on every row."""
+        for t in _tensors(out):
+            e = self._get(t)
+            self._put(t, join(None if e is None else e[1], Mixed(what, size=True)), _CREATED if e is None else e[2],
+                      None if e is None else e[3])
 
     def _get(self, t: Any) -> _Entry | None:
         e = self._info.get(id(t))
@@ -298,10 +351,11 @@ class RowTracer(RowDispatchMode):
             return None
         return Rows(dims[0], shaped=True, iota=func is not None and _is_iota(func, args, t))
 
-    def _unknown(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any, why: str) -> None:
-        label: Label = None
+    def _unknown(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any, why: str,
+                 sized: Mixed | None = None) -> None:
+        label: Label = sized
         if _first_label(self, args, kwargs) is not None:
-            label = Mixed(why, proven=False)
+            label = join(Mixed(why, proven=False), sized)
         plan = _PLANS.get(id(func)) or _plan(func)
         self._assign(func, args, kwargs, out, [label] * len(_tensors(out)), plan[2], plan[4], plan[5])
 
@@ -432,7 +486,8 @@ class RowTracer(RowDispatchMode):
         if self.host_read:  # first: what else the run did depends on the branch the data chose
             return RowVerdict(Reason.UNPROVEN, self.host_read, host_read=mixed is None, **common)
         if mixed is not None:
-            return RowVerdict(Reason.ROWS_COUPLED if mixed.proven else Reason.UNPROVEN, mixed.why, **common)
+            reason = Reason.SIZE_AS_VALUE if mixed.size else Reason.ROWS_COUPLED if mixed.proven else Reason.UNPROVEN
+            return RowVerdict(reason, mixed.why, **common)
         return RowVerdict(None, "", **common)
 
 
