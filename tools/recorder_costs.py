@@ -7,7 +7,9 @@ at most 0.25 of one eager run. This measures, on the same model and input, inter
 
 - eager;
 - under a dispatch mode that only runs each op (the floor of any Python dispatcher-level record);
-- under the row analysis's tracer, verdict included;
+- under a function mode that only runs each torch call (the floor of the tracer's second mode,
+  which sees the batch size read from shapes and ``tolist()``);
+- under the row analysis's tracer (both modes), verdict included;
 - under PyTorch's C++ ``torch.profiler.ExecutionTraceObserver``, which records every op's schema,
   tensor ids, storage ids, offsets, shapes and strides (what an offline row analysis would need),
   written to a temporary file;
@@ -36,6 +38,7 @@ import time
 from typing import Any, Callable
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.profiler import ExecutionTraceObserver, profile
 
 from gfxgraph.suites._common import environment
@@ -47,6 +50,18 @@ class PassThrough(RowDispatchMode):
     """Runs each op and nothing else."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+class PassThroughCalls(TorchFunctionMode):
+    """Runs each torch call and nothing else; counts them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.calls += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -88,7 +103,7 @@ def main() -> None:
     step, what = build(args.layers, args.device)
     z = torch.zeros(args.batch, 1, dtype=torch.long, device=args.device)
     folder = tempfile.mkdtemp()
-    ops = {"n": 0}
+    ops = {"n": 0, "calls": 0}
 
     def eager() -> None:
         step(z)
@@ -96,6 +111,11 @@ def main() -> None:
     def floor() -> None:
         with PassThrough():
             step(z)
+
+    def calls_floor() -> None:
+        with PassThroughCalls() as mode:
+            step(z)
+        ops["calls"] = mode.calls
 
     def traced() -> None:
         tracer = RowTracer([(z, 0)], rows=args.batch)
@@ -123,7 +143,8 @@ def main() -> None:
     def jit_trace() -> None:
         torch.jit._get_trace_graph(module, (z,))
 
-    modes = {"eager": eager, "pass-through dispatch mode": floor, "row analysis tracer": traced,
+    modes = {"eager": eager, "pass-through dispatch mode": floor, "pass-through function mode": calls_floor,
+             "row analysis tracer": traced,
              "ExecutionTraceObserver": execution_trace, "profiler record_shapes": profiler_shapes}
     if module is not None:
         modes["TorchScript tracer (module)"] = jit_trace
@@ -141,14 +162,14 @@ def main() -> None:
                 times[name].append((time.perf_counter() - t0) * 1e3)
     med = {k: statistics.median(v) for k, v in times.items()}
     rows = {k: {"ms": v, "over_eager_minus_1": v / med["eager"] - 1} for k, v in med.items()}
-    print(f"{what}, batch {args.batch}, {ops['n']} aten ops, {args.device}")
+    print(f"{what}, batch {args.batch}, {ops['n']} aten ops, {ops['calls']} torch calls, {args.device}")
     for k, r in rows.items():
         print(f"  {k:28s} {r['ms']:8.2f} ms   {r['over_eager_minus_1']:+.2f}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "recorder_costs.json"), "w") as f:
             json.dump({"environment": environment(), "model": what, "batch": args.batch, "ops": ops["n"],
-                       "device_arg": args.device, "repeats": args.repeats, "modes": rows,
+                       "torch_calls": ops["calls"], "device_arg": args.device, "repeats": args.repeats, "modes": rows,
                        "target": "row analysis tracer <= 0.25 (issue 24)"}, f, indent=1)
 
 
