@@ -54,7 +54,7 @@ def test_batch_shape_answers_as_a_torch_size() -> None:
 
 def test_number_arguments_tell_values_from_sizes() -> None:
     aten = torch.ops.aten
-    names = lambda op: {name for _, name, _ in number_arguments(op)}  # noqa: E731
+    names = lambda op: {name for _, name in number_arguments(op)}  # noqa: E731
     assert names(aten.div.Tensor) == {"self", "other"}  # a Python number may come in a tensor's place
     assert names(aten.full.default) == {"fill_value"}  # not its size
     assert names(aten.view.default) == {"self"}

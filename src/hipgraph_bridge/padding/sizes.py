@@ -71,35 +71,34 @@ def _arith(name: str) -> Callable[[Any, Any], Any]:
 _BINARY = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow")
 
 
-class BatchInt(int):
+class _Tainted:
+    """What :class:`BatchInt` and :class:`BatchFloat` share: the plain value, negation, the plain repr."""
+
+    __slots__ = ()
+    _plain: type = int
+
+    def plain(self) -> Any:
+        return self._plain(self)
+
+    def __neg__(self) -> Any:
+        return type(self)(-self.plain())
+
+    def __repr__(self) -> str:
+        return repr(self.plain())
+
+
+class BatchInt(_Tainted, int):
     """An ``int`` computed from the batch's size: it stays one through ``+ - * / // % **`` with numbers
     (``/`` gives a :class:`BatchFloat`), so a torch call that gets it is known to take the batch size."""
 
     __slots__ = ()
 
-    def plain(self) -> int:
-        return int.__int__(self)
 
-    def __neg__(self) -> BatchInt:
-        return BatchInt(-self.plain())
-
-    def __repr__(self) -> str:
-        return int.__repr__(self)
-
-
-class BatchFloat(float):
+class BatchFloat(_Tainted, float):
     """A ``float`` computed from the batch's size (``n / 2``); see :class:`BatchInt`."""
 
     __slots__ = ()
-
-    def plain(self) -> float:
-        return float.__float__(self)
-
-    def __neg__(self) -> BatchFloat:
-        return BatchFloat(-self.plain())
-
-    def __repr__(self) -> str:
-        return float.__repr__(self)
+    _plain = float
 
 
 for _cls in (BatchInt, BatchFloat):
@@ -164,12 +163,12 @@ _OFFSETS = frozenset({"start", "index", "step", "k", "shifts", "pad", "storage_o
 _DIMS = frozenset({"dim", "dims", "dim0", "dim1", "dimension", "source", "destination"})
 
 
-_NUMBERS: dict[int, tuple[tuple[tuple[int, str, bool], ...], Any]] = {}  # by id(op), the op held beside
+_NUMBERS: dict[int, tuple[tuple[tuple[int, str], ...], Any]] = {}  # by id(op), the op held beside
 
 
-def number_arguments(op: Any) -> tuple[tuple[int, str, bool], ...]:
+def number_arguments(op: Any) -> tuple[tuple[int, str], ...]:
     """The arguments of ``op`` (an ``OpOverload``) where a number is a value the result computes with, not
-    a size it has: (position, name, whether a tensor goes there too). Scalars, floats and plain ints
+    a size it has: (position, name); a tensor's place counts (a Python number may come there). Scalars, floats and plain ints
     (``diagonal``, ``linspace``'s ``steps``) are; ``SymInt`` ones are sizes (``view``; ``arange``'s end is
     one too) except the offsets above; booleans and dimensions never are. From the op's schema, cached
     (by id, not ``lru_cache``: dynamo, compiling into the tracer, warns of that)."""
@@ -183,16 +182,16 @@ def number_arguments(op: Any) -> tuple[tuple[int, str, bool], ...]:
             continue
         if kind == "symint":
             if name in _OFFSETS:
-                out.append((pos, name, False))
+                out.append((pos, name))
         else:
-            out.append((pos, name, kind == "tensor"))
+            out.append((pos, name))
     _NUMBERS[id(op)] = (tuple(out), op)
     return tuple(out)
 
 
 def takes_size(op: Any, args: Sequence[Any], kwargs: dict[str, Any], sizes: frozenset[float]) -> str:
     """The name of ``op``'s argument that holds one of ``sizes`` as a number, or ``""``."""
-    for pos, name, tensor in number_arguments(op):
+    for pos, name in number_arguments(op):
         v = args[pos] if pos < len(args) else kwargs.get(name)
         for x in (v if type(v) in (list, tuple) else (v,)):
             if type(x) in (int, float) and x in sizes:
