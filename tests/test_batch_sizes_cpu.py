@@ -154,20 +154,46 @@ def test_the_function_mode_leaves_with_the_tracer_and_outside_shapes_are_plain()
     assert not torch._C._is_torch_function_mode_enabled()
 
 
+@pytest.mark.parametrize("fullgraph", [False, True])
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
-def test_compiled_code_under_the_tracer_is_seen(backend: str) -> None:
-    """torch 2.13 compiles no frame under a user dispatch mode: compiled code runs eagerly, traced whole."""
+def test_compiled_code_under_the_tracer_is_seen(backend: str, fullgraph: bool) -> None:
+    """Compiled code runs eagerly under the tracer (``fullgraph=True`` too), traced whole; afterwards it compiles."""
     torch.compiler.reset()
-    f = torch.compile(lambda x: (x * 2).sin() / x.shape[0], backend=backend)
+    compiled: list[int] = []
+
+    def counting(gm: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callable[..., object]:
+        compiled.append(1)
+        return torch._dynamo.lookup_backend(backend)(gm, example)
+
+    f = torch.compile(lambda x: (x * 2).sin() / x.shape[0], backend=counting, fullgraph=fullgraph)
     with torch.no_grad(), RowTracer([(X, 0)]) as tracer:
         y = f(X)
     torch.testing.assert_close(y, (X * 2).sin() / 5)
     v = tracer.verdict(y)
     assert v.reason is Reason.SIZE_AS_VALUE and "aten.div" in v.detail
+    assert compiled == []  # nothing was compiled under the tracer
+    torch.testing.assert_close(f(X), (X * 2).sin() / 5)
+    assert compiled == [1]  # the stance is back: the next call compiles
     torch.compiler.reset()
 
 
 # ------------------------------------------------------------------------------------- the pool
+@cpu_only
+def test_pool_pads_a_fullgraph_compiled_model() -> None:
+    """A ``fullgraph=True`` model used to raise on the pool's traced first call (dynamo tried to compile the
+    tracer's own mode); it is traced as its Python and padded."""
+    torch.compiler.reset()
+    lin = torch.nn.Linear(8, 8)
+    f = torch.compile(lin, fullgraph=True, backend="eager")
+    pool = ShapeBucketPool(f, [4, 8], simulate_padding=True)
+    with torch.no_grad():
+        for n in (3, 5, 3):
+            x = torch.randn(n, 8)
+            torch.testing.assert_close(pool(x), lin(x))
+    assert () not in pool.unpadded
+    torch.compiler.reset()
+
+
 @cpu_only
 def test_pool_refuses_padding_a_model_that_divides_by_its_batch_size() -> None:
     runs = []

@@ -512,6 +512,27 @@ def op_arguments(op: Any) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+@contextlib.contextmanager
+def compiled_code_runs_eagerly() -> Iterator[None]:
+    """While open, ``torch.compile``'d code runs its Python eagerly (``set_stance("force_eager")``,
+    torch 2.6+), so a tracer's modes see its ops one by one; a ``fullgraph=True`` function would
+    otherwise try to compile the mode's own ``__torch_dispatch__`` and raise. Compiled caches are
+    kept. The stance is process-wide: while open, compiled code in other threads runs eagerly too
+    (the same results, slower). Inside a compiled region torch refuses the change; then nothing
+    changes (that region's code is already being traced or run by dynamo)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    try:
+        # set_stance takes effect when called, not on __enter__; RuntimeError: inside a compiled region
+        stance = set_stance("force_eager") if set_stance is not None else None
+    except RuntimeError:
+        stance = None
+    try:
+        yield
+    finally:
+        if stance is not None:
+            stance.__exit__(None, None, None)
+
+
 class RowDispatchMode(TorchDispatchMode):
     """The dispatch mode the row analysis traces with, without the wrapper that keeps dynamo out of
     ``__torch_dispatch__`` (torch 2.12+: a frame hook per op, a fifth of the mode's cost). Nothing

@@ -47,7 +47,8 @@ from typing import Any, NamedTuple, Union
 
 import torch
 
-from .._torch_compat import OP_COMPOSITE, OP_REGION, RowDispatchMode, inline_subgraph, op_kind, op_writes, pytree
+from .._torch_compat import (OP_COMPOSITE, OP_REGION, RowDispatchMode, compiled_code_runs_eagerly, inline_subgraph,
+                             op_kind, op_writes, pytree)
 from ..fallbacks import Reason
 from .sizes import PythonReads, takes_size
 
@@ -205,10 +206,13 @@ class RowTracer(RowDispatchMode):
         self.random = ""
         self.host_read = ""
         self.python = PythonReads(self)
+        self._eager: Any = None
         self._depth = 0
 
     def __enter__(self) -> RowTracer:
-        if self._depth == 0:
+        if self._depth == 0:  # compiled code is traced as the Python it compiles (``fullgraph=True`` too)
+            self._eager = compiled_code_runs_eagerly()
+            self._eager.__enter__()
             self.python.__enter__()
         self._depth += 1
         return super().__enter__()
@@ -219,7 +223,10 @@ class RowTracer(RowDispatchMode):
             super().__exit__(*exc)
         finally:
             if self._depth == 0:
-                self.python.__exit__(*exc)
+                try:
+                    self.python.__exit__(*exc)
+                finally:
+                    self._eager.__exit__(None, None, None)
 
     # ------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
