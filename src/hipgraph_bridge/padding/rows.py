@@ -39,6 +39,7 @@ a run it makes anyway (a warm-up), or a compiled graph on fake tensors.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections.abc import Callable, Sequence
@@ -206,14 +207,13 @@ class RowTracer(RowDispatchMode):
         self.random = ""
         self.host_read = ""
         self.python = PythonReads(self)
-        self._eager: Any = None
+        self._outer = contextlib.ExitStack()
         self._depth = 0
 
     def __enter__(self) -> RowTracer:
         if self._depth == 0:  # compiled code is traced as the Python it compiles (``fullgraph=True`` too)
-            self._eager = compiled_code_runs_eagerly()
-            self._eager.__enter__()
-            self.python.__enter__()
+            self._outer.enter_context(compiled_code_runs_eagerly())
+            self._outer.enter_context(self.python)
         self._depth += 1
         return super().__enter__()
 
@@ -223,10 +223,7 @@ class RowTracer(RowDispatchMode):
             super().__exit__(*exc)
         finally:
             if self._depth == 0:
-                try:
-                    self.python.__exit__(*exc)
-                finally:
-                    self._eager.__exit__(None, None, None)
+                self._outer.close()
 
     # ------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
